@@ -1,0 +1,148 @@
+"""The module API: Float8Linear (an nn.Linear drop-in), its config, and the model converter.
+
+The signatures follow torchao.float8, so switching between the two is a one-line import
+change:
+
+    from fp8_impl import convert_to_float8_training, Float8LinearConfig
+    # from torchao.float8 import convert_to_float8_training, Float8LinearConfig
+    model = convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from fp8_impl.matmul import GEMM_ALIGNMENT, check_float8_operands, float8_matmul
+
+
+class Float8LinearRecipeName(enum.Enum):
+    """Recipes fp8_impl implements (torchao also has "rowwise" and "rowwise_with_gw_hp")."""
+
+    TENSORWISE = "tensorwise"
+
+
+@dataclass(frozen=True)
+class Float8LinearConfig:
+    """How the three GEMMs run. Defaults are torchao's tensorwise recipe.
+
+    output_fast_accum: fast (lower-precision) accumulation in the forward GEMM.
+    grad_fast_accum: the same for grad_input and grad_weight (off: gradients need fp32 sums).
+    """
+
+    recipe: Float8LinearRecipeName = Float8LinearRecipeName.TENSORWISE
+    output_fast_accum: bool = True
+    grad_fast_accum: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.recipe, Float8LinearRecipeName):
+            raise TypeError(f"Float8LinearConfig.recipe must be a Float8LinearRecipeName, got {self.recipe!r}")
+        for name in ("output_fast_accum", "grad_fast_accum"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Float8LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def from_recipe_name(recipe_name) -> "Float8LinearConfig":
+        """The config of a named recipe (a Float8LinearRecipeName or its string value)."""
+        supported = [r.value for r in Float8LinearRecipeName]
+        name = recipe_name.value if isinstance(recipe_name, enum.Enum) else recipe_name
+        if name not in supported:
+            raise ValueError(
+                f"fp8_impl supports the recipes {supported}, got {name!r}. For rowwise scaling use "
+                f"torchao.float8 (convert_to_float8_training with Float8LinearConfig.from_recipe_name({name!r})).")
+        return Float8LinearConfig(recipe=Float8LinearRecipeName(name))
+
+    def short_str(self) -> str:
+        return f"{self.recipe.value},acc:{'fast' if self.output_fast_accum else 'fp32'}/{'fast' if self.grad_fast_accum else 'fp32'}"
+
+
+def _check_features(in_features: int, out_features: int, where: str = "") -> None:
+    for name, value in (("in_features (K)", in_features), ("out_features (N)", out_features)):
+        if value % GEMM_ALIGNMENT:
+            raise ValueError(
+                f"fp8_impl: {where}{name} = {value} is not divisible by {GEMM_ALIGNMENT}, which torch._scaled_mm "
+                f"requires. Fix: pad it to a multiple of {GEMM_ALIGNMENT}, or skip this layer with "
+                f"convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "
+                f"mod.in_features % 16 == 0 and mod.out_features % 16 == 0)")
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear whose three GEMMs run in FP8 (tensorwise dynamic scaling).
+
+    Accepts any number of leading batch dims; bf16/fp16/fp32 input; bf16/fp16/fp32 weight.
+    Output dtype is the input's, gradients have the dtypes of input, weight and bias, as
+    nn.Linear gives them. The bias is added in high precision after the GEMM.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, config=None):
+        _check_features(in_features, out_features)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config if config is not None else Float8LinearConfig()
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear, config: Optional[Float8LinearConfig] = None) -> "Float8Linear":
+        """A Float8Linear that shares `mod`'s parameters (no copy: optimizer state stays valid)."""
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"Float8Linear.from_float needs an nn.Linear, got {type(mod).__name__}")
+        with torch.device("meta"):  # no allocation: the parameters are replaced just below
+            new = cls(mod.in_features, mod.out_features, bias=False, config=config)
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) or not input.is_floating_point():
+            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+            raise TypeError(f"fp8_impl: Float8Linear needs a floating-point input tensor, got {got}")
+        if input.dim() < 2:
+            raise ValueError(
+                f"fp8_impl: Float8Linear needs input with at least 2 dims [*, K] (M = product of the leading "
+                f"dims must be divisible by 16), got shape {tuple(input.shape)}; use input.unsqueeze(0) and a batch of 16")
+        if torch.is_autocast_enabled(input.device.type):  # mirror F.linear under autocast
+            input = input.to(torch.get_autocast_dtype(input.device.type))
+        lead_shape = input.shape[:-1]
+        input_2d = input.reshape(-1, input.shape[-1])
+        check_float8_operands(input_2d, self.weight, lead_shape=lead_shape)
+        output = float8_matmul(input_2d, self.weight, config=self.config)
+        output = output.reshape(*lead_shape, output.shape[-1])
+        if self.bias is not None:
+            output = output + self.bias.to(output.dtype)
+        return output
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, config={self.config.short_str()}"
+
+
+def convert_to_float8_training(
+    module: nn.Module,
+    *,
+    module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+    config: Optional[Float8LinearConfig] = None,
+) -> nn.Module:
+    """Swap every nn.Linear in `module` (in place) for a Float8Linear sharing its parameters.
+
+    module_filter_fn(mod, fqn) -> bool chooses which layers to convert. A root nn.Linear is
+    returned converted (not changed in place), as in torchao. Layers whose features are not
+    divisible by 16 raise a clear error naming the layer: filter them out.
+    """
+    config = config if config is not None else Float8LinearConfig()
+
+    def convert(mod: nn.Linear, fqn: str) -> Float8Linear:
+        _check_features(mod.in_features, mod.out_features, where=f"layer {fqn or '<root>'!r}: ")
+        return Float8Linear.from_float(mod, config=config)
+
+    def wanted(mod: nn.Module, fqn: str) -> bool:
+        return isinstance(mod, nn.Linear) and not isinstance(mod, Float8Linear) and (
+            module_filter_fn is None or module_filter_fn(mod, fqn))
+
+    if wanted(module, ""):
+        return convert(module, "")
+    for fqn, mod in list(module.named_modules()):
+        if fqn and wanted(mod, fqn):
+            parent_fqn, _, child_name = fqn.rpartition(".")
+            setattr(module.get_submodule(parent_fqn), child_name, convert(mod, fqn))
+    return module

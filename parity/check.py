@@ -1,0 +1,218 @@
+"""`fp8-parity check`: search the case space for a parity violation and shrink it.
+
+The pinned edge cases run first (zeros, amax at the fp8 max, outliers, 3-D input, K == N,
+transposed layouts, two steps); then hypothesis generates cases, and when one violates
+the policy it shrinks it to a minimal failing case. The result carries everything the
+command prints and the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import random
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import pandas as pd
+import torch
+from hypothesis import HealthCheck, Phase, find, settings
+from hypothesis.errors import NoSuchExample
+
+from parity.cases import Case, edge_cases, shrink
+from parity.env import environment
+from parity.impls import Impl, load_impl
+from parity.metrics import describe_mismatch
+from parity.policy import Policy, Violation, default_policy, evaluate
+from parity.runner import run_case
+from parity.strategies import cases as case_strategy
+
+
+
+@dataclass
+class CheckPlan:
+    """Which implementations run against which references, judged by which policies."""
+
+    candidate: Impl
+    reference: Impl
+    policy: Policy
+    impls: list[Impl]
+    references: list[Impl]
+    policies: dict[str, Policy]
+
+    @classmethod
+    def make(cls, candidate: Impl, reference: Impl, *, policy: Policy | str | None = None,
+             oracle: bool = True) -> "CheckPlan":
+        policy = Policy(policy) if policy else default_policy(candidate.recipe, reference.name, reference.recipe)
+        impls, references, policies = [candidate], [reference], {reference.name: policy}
+        if policy is Policy.PAIRED:  # both measured against fp64 on the same inputs
+            impls, references = [candidate, reference], [load_impl("fp64")]
+        elif oracle and candidate.recipe == "tensorwise" and reference.name != "emulated":
+            references.append(load_impl("emulated"))  # separates accumulation from real bugs
+            policies["emulated"] = Policy.ACCUMULATION
+        return cls(candidate, reference, policy, impls, references, policies)
+
+    def judge(self, rows: Sequence[dict]) -> list[Violation]:
+        recipes = {impl.name: impl.recipe for impl in self.impls}
+        return [v for v in evaluate(rows, self.policies, recipes) if v.impl == self.candidate.name]
+
+    def reference_errors(self, rows: Sequence[dict]) -> list[str]:
+        return sorted({f"{r['reference']}: {r['reference_error']}" for r in rows if r.get("reference_error")})
+
+
+@dataclass
+class CheckResult:
+    verdict: str  # "pass" | "fail" | "error"
+    plan: CheckPlan
+    device: str
+    cases_run: int
+    seconds: float
+    rows: list[dict] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    minimal_case: Case | None = None
+    error: str | None = None
+    rerun: str | None = None
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        frame = pd.DataFrame.from_records(self.rows)
+        frame.attrs["env"] = environment(self.device)
+        return frame
+
+    def to_json(self) -> dict:
+        return dict(
+            verdict=self.verdict, impl=self.plan.candidate.name, reference=self.plan.reference.name,
+            policy=self.plan.policy.value, device=self.device, cases_run=self.cases_run,
+            seconds=round(self.seconds, 3),
+            minimal_case=None if self.minimal_case is None else self.minimal_case.id,
+            failures=[dict(case_id=v.case_id, tensor=v.tensor, step=v.step, metric=v.metric,
+                           value=_jsonable(v.value), allowed=_jsonable(v.allowed), message=v.full_message)
+                      for v in self.violations],
+            error=self.error, rerun=self.rerun, env=environment(self.device),
+        )
+
+
+def _jsonable(value):
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, cases: Sequence[Case] | None = None,
+              max_dim: int = 256, max_tokens: int = 256, seed: int = 0, derandomize: bool = True,
+              rerun_command: Callable[[Case], str] | None = None,
+              progress: Callable[[int, int], None] | None = None) -> CheckResult:
+    """Explicit `cases` run as given; otherwise edge cases, then a hypothesis search of
+    `max_examples` cases with shrinking of the first failure."""
+    start = time.perf_counter()
+    all_rows: list[dict] = []
+    counter = {"cases": 0}
+
+    def run(case: Case) -> tuple[list[dict], list[Violation], list[str]]:
+        rows = run_case(case, plan.impls, plan.references, device=device)
+        counter["cases"] += 1
+        all_rows.extend(rows)
+        if progress is not None:
+            progress(counter["cases"], max_examples)
+        return rows, plan.judge(rows), plan.reference_errors(rows)
+
+    def finish(verdict: str, violations=(), minimal=None, error=None) -> CheckResult:
+        return CheckResult(verdict, plan, device, counter["cases"], time.perf_counter() - start, all_rows,
+                           list(violations), minimal, error,
+                           rerun_command(minimal) if (minimal is not None and rerun_command) else None)
+
+    def violates(case: Case) -> bool:
+        _, violations, ref_errors = run(case)
+        return bool(violations or ref_errors)
+
+    def conclude(case: Case) -> CheckResult:
+        _, violations, ref_errors = run(case)  # once more, for a clean report of this case
+        if ref_errors:
+            return finish("error", error=f"a reference failed on {case.id}: {'; '.join(ref_errors)}", minimal=case)
+        return finish("fail", violations, case)
+
+    explicit = cases is not None
+    for case in (cases if explicit else edge_cases(seed=seed)):
+        if violates(case):
+            return conclude(case if explicit else shrink(case, violates))
+    if explicit:
+        return finish("pass")
+
+    search_settings = settings(
+        max_examples=max(1, max_examples), database=None, deadline=None, derandomize=derandomize,
+        suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
+    )
+    strategy = case_strategy(max_dim=max_dim, max_tokens=max_tokens)
+    try:
+        minimal = find(strategy, violates, settings=search_settings, random=random.Random(seed))
+    except NoSuchExample:
+        return finish("pass")
+    return conclude(shrink(minimal, violates))  # hypothesis shrinks; a greedy pass takes the last steps
+
+
+# ---- presentation -------------------------------------------------------------------------------------
+
+def summary_table(rows: Sequence[dict], plan: CheckPlan) -> pd.DataFrame:
+    """Per reference and tensor: cases, bitwise rate, worst SQNR and ULP distance."""
+    frame = pd.DataFrame.from_records([r for r in rows if r["impl"] == plan.candidate.name])
+    if frame.empty:
+        return frame
+    grouped = frame.groupby(["reference", "tensor"], sort=False)
+    table = pd.DataFrame({
+        "cases": grouped["case_id"].nunique(),
+        "bitwise %": grouped["bitwise"].mean().mul(100).round(1),
+        "min SQNR dB": grouped["sqnr_db"].min().round(2),
+        "max ulp": grouped["ulp_max"].max(),
+        "crashes": grouped["error"].apply(lambda s: int(s.notna().sum())),
+    })
+    return table.reset_index()
+
+
+def render(result: CheckResult) -> str:
+    """What `fp8-parity check` prints."""
+    plan = result.plan
+    head = {"pass": "PASS", "fail": "FAIL", "error": "ERROR"}[result.verdict]
+    lines = [f"{head}: {plan.candidate.name} against {plan.reference.name} ({plan.policy.value} policy) on "
+             f"{result.device}: {result.cases_run} cases in {result.seconds:.1f} s", ""]
+    table = summary_table(result.rows, plan)
+    if not table.empty:
+        lines += [table.to_string(index=False), ""]
+    if result.error:
+        lines += [f"error: {result.error}", ""]
+    if result.violations:
+        lines.append(f"Minimal failing case: {result.minimal_case.id}")
+        rows = {(r["case_id"], r["reference"], r["tensor"], r["step"]): r for r in result.rows}
+        for violation in result.violations[:12]:
+            lines.append(f"  [{violation.metric}] {violation.message}")
+            row = rows.get((violation.case_id, violation.reference, violation.tensor, violation.step))
+            if row is not None and violation.metric in ("bitwise", "accumulation_bound", "sqnr_db"):
+                lines.append("    " + describe_mismatch(row, allowed=str(violation.allowed)).replace("\n", "\n    "))
+        if len(result.violations) > 12:
+            lines.append(f"  ... and {len(result.violations) - 12} more (see --json)")
+        lines.append("")
+    if result.rerun:
+        lines += ["Rerun exactly this case:", f"  {result.rerun}"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def rerun_command(impl: str, against: str, device: str, extra: Sequence[str] = ()) -> Callable[[Case], str]:
+    def command(case: Case) -> str:
+        parts = ["fp8-parity", "check", "--impl", impl, "--against", against, "--device", device, *extra,
+                 "--case", case.id]
+        return " ".join(shlex.quote(p) for p in parts)
+    return command
+
+
+def resolve_device(requested: str | None) -> tuple[str | None, str | None]:
+    """(device, reason it cannot run). cuda needs a GPU with FP8 support (compute capability >= 8.9)."""
+    if requested in (None, "auto"):
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            return None, "no CUDA device is available (use --device cpu)"
+        if torch.version.hip is None and torch.cuda.get_device_capability() < (8, 9):
+            cap = ".".join(map(str, torch.cuda.get_device_capability()))
+            return None, f"the GPU has compute capability {cap}; FP8 GEMMs need >= 8.9 (Ada, Hopper or newer)"
+    elif requested != "cpu":
+        return None, f"unknown device {requested!r} (use cpu or cuda)"
+    return requested, None

@@ -1,0 +1,238 @@
+"""Running implementations on cases and comparing them: one case -> rows; many -> a DataFrame.
+
+A row is one case x implementation x reference x tensor x step (tidy): the case's columns,
+the metrics of parity.metrics, the implementation's contract problems, the _scaled_mm calls
+that would fail on an H100, and the exception if the implementation raised (a finding,
+never a crash of the harness).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import pandas as pd
+import torch
+from torch import nn
+
+from parity import oracles
+from parity.cases import Case
+from parity.contract import (ScaledMMCall, ScaledMMRecorder, contract_violations, expected_contract,
+                             sm90_violations)
+from parity.data import CaseData, make_data, materialize
+from parity.env import environment
+from parity.impls import Impl
+from parity.metrics import METRICS, compare
+
+# Unit roundoff of the GEMM accumulation, for the accumulation bound against the emulated oracle.
+# fp32 accumulation: 2^-24. Hopper's fast accumulation keeps about 14 mantissa bits in the
+# tensor-core partial sums (DeepSeek-V3 report, section 3.3.2, measured on H800); we allow
+# 2^-13, twice that, since the exact width is undocumented. CPUs ignore use_fast_accum.
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+FAST_ACCUM_UNIT_ROUNDOFF = 2.0 ** -13
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24,
+                  torch.float64: 2.0 ** -53}
+_SMALLEST_SUBNORMAL = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, torch.float32: 2.0 ** -149,
+                       torch.float64: 2.0 ** -1074}
+
+
+@dataclass
+class Execution:
+    """What one implementation produced on one case."""
+
+    impl: Impl
+    steps: list[dict[str, torch.Tensor | None]] = field(default_factory=list)
+    calls: list[ScaledMMCall] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # side effects: inputs modified in place, ...
+    error: str | None = None  # "<where>: <ExceptionType>: <message> (at file:line)"
+    seconds: float = 0.0
+
+
+def _describe_exception(err: BaseException, where: str) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{where}: {type(err).__name__}: {message}{at}"
+
+
+def execute(impl: Impl, data: CaseData, *, record: bool = False) -> Execution:
+    """Run `impl` forward and backward on every step of `data`; never raises for impl errors."""
+    case, result = data.case, Execution(impl)
+    in_dtype = impl.compute_dtype or case.torch_input_dtype
+    w_dtype = impl.compute_dtype or case.torch_weight_dtype
+    start = time.perf_counter()
+    linear = nn.Linear(case.K, case.N, bias=case.bias, device="meta")
+    linear.weight = nn.Parameter(materialize(data.steps[0].weight, case.weight_layout, dtype=w_dtype))
+    if case.bias:
+        linear.bias = nn.Parameter(data.bias.to(w_dtype).clone())
+    recorder = ScaledMMRecorder(case.M, case.K, case.N) if record else None
+    where = "building the module"
+    try:
+        module, weight, bias = impl.build(linear)
+        for step_index, step in enumerate(data.steps):
+            if step_index:  # an in-place update, like an optimizer step
+                where = f"step {step_index}: updating the weight in place"
+                with torch.no_grad():
+                    weight.copy_(step.weight)
+                weight.grad = None
+                if bias is not None:
+                    bias.grad = None
+            input = materialize(step.input, case.input_layout, dtype=in_dtype).requires_grad_()
+            grad_output = materialize(step.grad_output, case.grad_output_layout, dtype=in_dtype)
+            input_version, weight_version = input._version, weight._version
+            where = f"step {step_index}: forward"
+            if recorder is not None:
+                recorder.phase = "forward"
+                with recorder:
+                    output = module(input)
+            else:
+                output = module(input)
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(f"the module returned {type(output).__name__}, not a tensor")
+            where = f"step {step_index}: backward"
+            if recorder is not None:
+                recorder.phase = "backward"
+                with recorder:
+                    output.backward(grad_output)
+            else:
+                output.backward(grad_output)
+            if input._version != input_version:
+                result.problems.append(f"step {step_index}: the input was modified in place")
+            if weight._version != weight_version:
+                result.problems.append(f"step {step_index}: the weight was modified in place by forward/backward")
+            result.steps.append(dict(
+                output=output.detach(), grad_input=input.grad, grad_weight=weight.grad,
+                grad_bias=None if bias is None else bias.grad,
+            ))
+    except Exception as err:  # noqa: BLE001 - an implementation that raises is a finding
+        result.error = _describe_exception(err, where)
+    if recorder is not None:
+        result.calls = recorder.calls
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _accumulation_bound(candidate: torch.Tensor, emulated: torch.Tensor, tensor: str, step: oracles.EmulatedStep,
+                        data: CaseData, step_index: int, rounding_chain: Sequence[torch.dtype],
+                        fast_accum: bool) -> tuple[float, int, tuple]:
+    """(max |c - e| / allowed, count beyond, index of the max) for the elementwise bound:
+
+    allowed = sum over the roundings d of the result: u_d (|c| + |e|) (1 + 2^-7)
+              + (gamma_k(u_acc) + 2 u_fp32) * (|A| @ |B|) + smallest subnormals
+    where gamma_k = k u / (1 - k u) bounds any order of k-term accumulation with unit
+    roundoff u (Higham, Accuracy and Stability of Numerical Algorithms, 3.1), and 2 u_fp32
+    covers applying the two inverse scales in fp32.
+    """
+    case = data.case
+    if tensor == "grad_bias":
+        go = data.steps[step_index].grad_output.reshape(-1, case.N).to(torch.float64)
+        magnitude, inner = go.abs().sum(0), case.M
+    else:
+        magnitude, inner = step.magnitude[tensor], step.inner_dim[tensor]
+    u_acc = FAST_ACCUM_UNIT_ROUNDOFF if fast_accum else FP32_UNIT_ROUNDOFF
+    gamma = inner * u_acc / max(1 - inner * u_acc, 1e-3)
+    c = candidate.detach().to(torch.float64).reshape(magnitude.shape)
+    e = emulated.detach().to(torch.float64).reshape(magnitude.shape)
+    both = c.abs() + e.abs()
+    allowed = (gamma + 2 * FP32_UNIT_ROUNDOFF) * magnitude
+    for dtype in rounding_chain:
+        allowed = allowed + _UNIT_ROUNDOFF[dtype] * both * (1 + 2 ** -7) + 2 * _SMALLEST_SUBNORMAL[dtype]
+    excess = (c - e).abs() / allowed
+    excess = torch.where((c == e) | (torch.isnan(c) & torch.isnan(e)), 0.0, torch.nan_to_num(excess, nan=math.inf))
+    worst = excess.reshape(-1).argmax()
+    ratio, beyond, flat = torch.stack([excess.reshape(-1)[worst], (excess > 1).sum().to(torch.float64),
+                                       worst.to(torch.float64)]).tolist()
+    return ratio, int(beyond), tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), candidate.shape))
+
+
+def _rounding_chain(case: Case, tensor: str) -> list[torch.dtype]:
+    out = case.torch_input_dtype  # the output (and grad_output) dtype
+    target = {"output": out, "grad_input": out, "grad_weight": case.torch_weight_dtype,
+              "grad_bias": case.torch_weight_dtype}[tensor]
+    chain = [out]
+    if tensor == "output" and case.bias:
+        chain.append(out)  # the bias is added in the output dtype: a second rounding
+    if target != out:
+        chain.append(target)
+    return chain
+
+
+def compare_executions(data: CaseData, candidate: Execution, reference: Execution, *,
+                       device_type: str) -> list[dict]:
+    """Rows of `candidate` against `reference` for every tensor and step of the case."""
+    case = data.case
+    contract = expected_contract(case)
+    base = dict(case_id=case.id, **case.as_record(), impl=candidate.impl.name, reference=reference.impl.name,
+                device=device_type)
+    gemm_problems: dict[str, list[str]] = {}
+    for call in candidate.calls:
+        for problem in sm90_violations(call):
+            for gemm in call.gemm.split("|"):
+                gemm_problems.setdefault(gemm, []).append(f"would fail on H100: {call.gemm} GEMM: {problem}")
+    emulated_steps = None
+    if reference.impl.name == "emulated" and not (candidate.error or reference.error):
+        emulated_steps = [oracles.emulate_linear(s.input, s.weight, s.grad_output) for s in data.steps]
+    rows = []
+    for step_index in range(case.steps):
+        for tensor in case.tensors:
+            row = dict(base, tensor=tensor, step=step_index, **{m: math.nan for m in METRICS})
+            row.update(bitwise=False, error=None, reference_error=None, contract="", scaled_mm="; ".join(gemm_problems.get(tensor, [])),
+                       bound_ratio=math.nan, n_beyond_bound=math.nan, bound_index=None)
+            rows.append(row)
+            if candidate.error or reference.error or step_index >= len(candidate.steps):
+                row["error"] = candidate.error
+                row["reference_error"] = reference.error
+                continue
+            got = candidate.steps[step_index][tensor]
+            want = reference.steps[step_index][tensor]
+            problems = contract_violations(got, contract[tensor], tensor)
+            if step_index == 0 and tensor == "output":
+                problems = candidate.problems + problems
+            row["contract"] = "; ".join(problems)
+            row["dtype"] = None if got is None else str(got.dtype).replace("torch.", "")
+            if got is None or want is None or tuple(got.shape) != tuple(want.shape):
+                continue
+            row.update(compare(got, want, dtype=contract[tensor].dtype))
+            if emulated_steps is not None:
+                # Fast accumulation only matters on a GPU, and only where the candidate asked for it
+                # (or, when no _scaled_mm call was recorded, in the forward GEMM as torchao does).
+                fast = device_type == "cuda" and tensor == "output" and (not candidate.calls or any(
+                    call.use_fast_accum for call in candidate.calls if call.gemm == "output"))
+                row["bound_ratio"], row["n_beyond_bound"], row["bound_index"] = _accumulation_bound(
+                    got, want, tensor, emulated_steps[step_index], data, step_index,
+                    _rounding_chain(case, tensor), fast)
+    return rows
+
+
+def run_case(case: Case, impls: Sequence[Impl], references: Sequence[Impl], *, device: str | torch.device = "cpu",
+             record: bool = True) -> list[dict]:
+    """Every implementation against every reference on one case (each executed once)."""
+    device = torch.device(device)
+    data = make_data(case, device)
+    executions: dict[str, Execution] = {}
+    for impl in [*impls, *references]:
+        if impl.name not in executions:
+            executions[impl.name] = execute(impl, data, record=record and not impl.is_reference)
+    rows = []
+    for impl in impls:
+        for reference in references:
+            if reference.name != impl.name:
+                rows.extend(compare_executions(data, executions[impl.name], executions[reference.name],
+                                               device_type=device.type))
+    return rows
+
+
+def run_cases(cases: Iterable[Case], impls: Sequence[Impl], references: Sequence[Impl], *,
+              device: str | torch.device = "cpu", progress: Callable[[int], None] | None = None) -> pd.DataFrame:
+    """All cases -> one tidy DataFrame, with the environment in `df.attrs["env"]`."""
+    records = []
+    for index, case in enumerate(cases):
+        records.extend(run_case(case, impls, references, device=device))
+        if progress is not None:
+            progress(index + 1)
+    frame = pd.DataFrame.from_records(records)
+    frame.attrs["env"] = environment(torch.device(device))
+    return frame

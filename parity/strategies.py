@@ -1,0 +1,87 @@
+"""Hypothesis strategies for FP8 linear-layer cases, importable for your own suites.
+
+Each strategy is small and keyword-only; `cases()` composes them. Choices are listed
+simplest first (contiguous before transposed, bf16 before fp32, normal before outliers,
+one step before two), so hypothesis shrinks a failure towards the simplest case that
+still fails.
+
+    from hypothesis import given
+    from parity.strategies import cases
+
+    @given(case=cases(max_dim=128, layouts=("C", "T")))
+    def test_my_fp8_linear(case): ...
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hypothesis import strategies as st
+
+from parity.cases import ALIGNMENT, INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
+
+OUTLIER_RATIOS = (100, 10, 1000)
+
+
+def dims(*, max_dim: int = 256) -> st.SearchStrategy[int]:
+    """A GEMM dimension: a multiple of 16 from 16 to max_dim (shrinks towards 16)."""
+    return st.integers(1, max(1, max_dim // ALIGNMENT)).map(lambda n: ALIGNMENT * n)
+
+
+def leads(*, max_tokens: int = 256, max_batch_dims: int = 2) -> st.SearchStrategy[tuple[int, ...]]:
+    """Leading dims of the input: (M,) or N-D (batch..., seq) with M = product a multiple of 16."""
+    flat = dims(max_dim=max_tokens).map(lambda m: (m,))
+    if max_batch_dims < 1:
+        return flat
+
+    def batched(seq: int) -> st.SearchStrategy[tuple[int, ...]]:
+        room = max(1, max_tokens // seq)
+        batch = st.lists(st.integers(1, min(4, room)), min_size=1, max_size=max_batch_dims)
+        return batch.filter(lambda b: _prod(b) * seq <= max_tokens).map(lambda b: (*b, seq))
+
+    nd = dims(max_dim=max(ALIGNMENT, max_tokens // 2)).flatmap(batched)
+    return st.one_of(flat, nd)
+
+
+def _prod(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def layouts(*, allowed: Sequence[str | Layout] = tuple(Layout)) -> st.SearchStrategy[Layout]:
+    return st.sampled_from([Layout(a) for a in allowed])
+
+
+def distributions(*, allowed: Sequence[str | Dist] = tuple(Dist)) -> st.SearchStrategy[Dist]:
+    return st.sampled_from([Dist(d) for d in allowed])
+
+
+def cases(*, max_dim: int = 256, max_tokens: int = 256, max_batch_dims: int = 2,
+          input_dtypes: Sequence[str] = INPUT_DTYPES, weight_dtypes: Sequence[str] = WEIGHT_DTYPES,
+          layouts_allowed: Sequence[str | Layout] = tuple(Layout), dists: Sequence[str | Dist] = tuple(Dist),
+          max_steps: int = 2, bias: bool | None = None, square: bool = False) -> st.SearchStrategy[Case]:
+    """Whole cases. `square=True` forces K == N (where a transposed weight has the right shape)."""
+    K, N = dims(max_dim=max_dim), dims(max_dim=max_dim)
+
+    def build(k_and_n):
+        k, n = k_and_n
+        return st.builds(
+            Case,
+            lead=leads(max_tokens=max_tokens, max_batch_dims=max_batch_dims),
+            K=st.just(k), N=st.just(n),
+            input_dtype=st.sampled_from(list(input_dtypes)),
+            weight_dtype=st.sampled_from(list(weight_dtypes)),
+            bias=st.booleans() if bias is None else st.just(bias),
+            input_layout=layouts(allowed=layouts_allowed),
+            weight_layout=layouts(allowed=layouts_allowed),
+            grad_output_layout=layouts(allowed=layouts_allowed),
+            dist=distributions(allowed=dists),
+            outlier_ratio=st.sampled_from(OUTLIER_RATIOS),
+            seed=st.integers(0, 2**16),
+            steps=st.integers(1, max(1, max_steps)),
+        )
+
+    pairs = K.map(lambda k: (k, k)) if square else st.tuples(K, N)
+    return pairs.flatmap(build)

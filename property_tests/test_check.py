@@ -1,0 +1,139 @@
+"""`fp8-parity check`: verdicts, minimal cases, exit codes, the JSON schema and clear usage errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parity.cases import Case
+from parity.check import CheckPlan, render, run_check
+from parity.env import torchao_version
+from parity.cli import main
+from parity.impls import load_impl
+from parity.policy import Policy
+from property_tests.mutants import BY_NAME
+
+MUTANTS = "property_tests/mutants.py"
+JSON_KEYS = {"verdict", "impl", "reference", "policy", "device", "cases_run", "seconds", "minimal_case", "failures",
+             "error", "rerun", "env"}
+FAILURE_KEYS = {"case_id", "tensor", "step", "metric", "value", "allowed", "message"}
+
+
+def plan(impl: str, against: str = "torchao:tensorwise", **kw) -> CheckPlan:
+    return CheckPlan.make(load_impl(impl), load_impl(against), **kw)
+
+
+def test_fp8_impl_passes():
+    result = run_check(plan("fp8_impl"), max_examples=15)
+    assert result.verdict == "pass", render(result)
+    assert result.cases_run >= 15 and result.plan.policy is Policy.BITWISE
+    assert {r["reference"] for r in result.rows} == {"torchao:tensorwise", "emulated"}
+
+
+@pytest.mark.parametrize(("mutant", "tensor", "metric"), [
+    ("weight_reshaped", "output", "bitwise"),
+    ("grad_output_e4m3", "grad_input", "bitwise"),
+    ("output_float32", "output", "contract"),
+    ("grad_weight_b_row_major", "grad_weight", "scaled_mm_contract"),
+    ("crash_on_fp32_input", "all", "crash"),
+])
+def test_planted_bug_fails_with_a_minimal_case(mutant, tensor, metric):
+    result = run_check(plan(f"{MUTANTS}:{mutant}"), max_examples=30)
+    assert result.verdict == "fail"
+    assert (metric, tensor) in {(v.metric, v.tensor) for v in result.violations}
+    minimal = result.minimal_case
+    assert minimal.M == 16 and minimal.K == 16 and minimal.N == 16  # shrunk to the smallest shape
+    if BY_NAME[mutant].trigger == "fp32 input":
+        assert minimal.input_dtype == "fp32"
+
+
+def test_trigger_survives_shrinking():
+    """A bug that needs K == N keeps K == N in its minimal case; one that needs a second call keeps two steps."""
+    square = run_check(plan(f"{MUTANTS}:weight_transposed_if_square"), max_examples=40)
+    assert square.verdict == "fail" and square.minimal_case.K == square.minimal_case.N
+    stale = run_check(plan(f"{MUTANTS}:cached_weight"), max_examples=40)
+    assert stale.verdict == "fail" and stale.minimal_case.steps == 2
+    assert all(v.step == 1 for v in stale.violations)
+
+
+def test_policies_follow_the_recipes():
+    assert plan("fp8_impl").policy is Policy.BITWISE
+    assert plan("fp8_impl", "emulated").policy is Policy.ACCUMULATION
+    assert plan("fp8_impl", "fp64").policy is Policy.SQNR
+    rowwise = plan("torchao:rowwise")
+    assert rowwise.policy is Policy.PAIRED and [r.name for r in rowwise.references] == ["fp64"]
+
+
+@pytest.mark.parametrize("against", ["fp64", "bf16", "emulated"])
+def test_fp8_impl_meets_the_statistical_policies(against):
+    result = run_check(plan("fp8_impl", against), max_examples=10)
+    assert result.verdict == "pass", render(result)
+
+
+def test_rowwise_is_not_worse_than_tensorwise():
+    cases = [Case(lead=(64,), K=128, N=48, dist=dist, seed=seed)
+             for dist in ("normal", "heavy", "outlier", "negative") for seed in range(3)]
+    result = run_check(plan("torchao:rowwise"), cases=cases)
+    assert result.verdict == "pass", render(result)
+
+
+@pytest.mark.skipif(torchao_version() != "0.18.0", reason="a finding about torchao 0.18.0")
+def test_torchao_rowwise_crash_is_reported_as_a_finding():
+    """torchao 0.18's rowwise recipe raises on a 3-D input stored transposed: the harness
+    reports it with torchao's own message instead of crashing."""
+    result = run_check(plan("torchao:rowwise"), cases=[Case(lead=(2, 16), K=16, N=16, input_layout="T")])
+    assert result.verdict == "fail"
+    (crash,) = [v for v in result.violations if v.metric == "crash"]
+    assert "aten.clone.default with axiswise scaling is not supported yet" in crash.message
+
+
+def test_cli_pass_fail_and_json(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    assert main(["check", "--impl", "fp8_impl", "--max-examples", "5", "--device", "cpu", "--json", str(out)]) == 0
+    passed = json.loads(out.read_text())
+    assert set(passed) == JSON_KEYS and passed["verdict"] == "pass" and passed["failures"] == []
+    assert passed["env"]["torch"] == torch.__version__
+
+    assert main(["check", "--impl", f"{MUTANTS}:scale_not_inverted", "--max-examples", "20", "--device", "cpu",
+                 "--json", str(out)]) == 1
+    failed = json.loads(out.read_text())
+    assert failed["verdict"] == "fail" and failed["minimal_case"] == "M16K16N16|in:bf16:C|w:bf16:C|go:C|normal|seed0"
+    assert failed["failures"] and all(set(f) == FAILURE_KEYS for f in failed["failures"])
+    assert {f["tensor"] for f in failed["failures"]} == {"grad_input", "grad_weight"}
+    text = capsys.readouterr().out
+    assert "Minimal failing case: M16K16N16" in text and "Rerun exactly this case:" in text
+    rerun = failed["rerun"]
+    assert rerun.startswith("fp8-parity check --impl") and "--case 'M16K16N16|" in rerun
+
+
+def test_cli_reruns_exactly_one_case(capsys):
+    case = Case(lead=(2, 16), K=32, N=16, input_layout="T", steps=2)
+    assert main(["check", "--impl", "fp8_impl", "--case", case.id, "--device", "cpu"]) == 0
+    assert "1 cases" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["check", "--impl", "nope"], "unknown implementation 'nope'"),
+    (["check", "--impl", "missing.py:f"], "does not exist"),
+    (["check", "--impl", "fp8_impl", "--case", "M20K16N16"], "M = 20 must be a positive multiple of 16"),
+])
+def test_cli_bad_input_exits_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_cli_cannot_run_on_missing_gpu_exits_125(capsys):
+    assert main(["check", "--impl", "fp8_impl", "--device", "cuda"]) == 125
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_console_entry_point():
+    """`python -m parity` is the CLI (what the fp8-parity script runs)."""
+    done = subprocess.run([sys.executable, "-m", "parity", "check", "--impl", "nope"], capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown implementation" in done.stderr

@@ -1,0 +1,118 @@
+"""The contracts: _scaled_mm calls are recorded (through torchao's subclass too) and judged by SM90's rules;
+the nn.Linear contract the engine expects is what nn.Linear really does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp8_impl import Float8Linear
+from parity.cases import Case, Layout
+from parity.contract import ScaledMMRecorder, contract_violations, expected_contract, sm90_violations
+from parity.data import make_data, materialize
+from parity.impls import load_impl
+
+
+def record(impl_name: str, case: Case) -> list:
+    impl = load_impl(impl_name)
+    data = make_data(case)
+    linear = nn.Linear(case.K, case.N, bias=case.bias, dtype=case.torch_weight_dtype)
+    module, _, _ = impl.build(linear)
+    recorder = ScaledMMRecorder(case.M, case.K, case.N)
+    x = data.steps[0].input.clone().requires_grad_()
+    with recorder:
+        out = module(x)
+        recorder.phase = "backward"
+        out.backward(data.steps[0].grad_output)
+    return recorder.calls
+
+
+@pytest.mark.parametrize("impl", ["fp8_impl", "torchao:tensorwise"])
+def test_recorder_sees_the_three_gemms(impl):
+    calls = record(impl, Case(lead=(32,), K=64, N=48))
+    assert sorted(c.gemm for c in calls) == ["grad_input", "grad_weight", "output"]
+    by_gemm = {c.gemm: c for c in calls}
+    assert by_gemm["output"].use_fast_accum and not by_gemm["grad_input"].use_fast_accum
+    assert (by_gemm["output"].a_dtype, by_gemm["output"].b_dtype) == ("float8_e4m3fn", "float8_e4m3fn")
+    assert by_gemm["grad_weight"].a_dtype == "float8_e5m2"
+    assert all(sm90_violations(c) == [] for c in calls), [sm90_violations(c) for c in calls]
+
+
+@pytest.mark.parametrize("layout", ["T", "S", "P"])
+def test_fp8_impl_keeps_the_gpu_contract_for_any_layout(layout):
+    case = Case(lead=(32,), K=64, N=48, input_layout=layout, weight_layout=layout, grad_output_layout=layout)
+    impl = load_impl("fp8_impl")
+    data = make_data(case)
+    linear = nn.Linear(case.K, case.N, bias=False)
+    linear.weight = nn.Parameter(materialize(data.steps[0].weight, case.weight_layout))
+    module, _, _ = impl.build(linear)
+    recorder = ScaledMMRecorder(case.M, case.K, case.N)
+    x = materialize(data.steps[0].input, case.input_layout).requires_grad_()
+    with recorder:
+        module(x).backward(materialize(data.steps[0].grad_output, case.grad_output_layout))
+    assert len(recorder.calls) == 3 and all(sm90_violations(c) == [] for c in recorder.calls)
+
+
+def test_sm90_rules_name_the_problem():
+    a = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    b_row_major = torch.zeros(64, 48, dtype=torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    recorder = ScaledMMRecorder(32, 64, 48)
+    with recorder:
+        torch._scaled_mm(a, b_row_major, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(a.to(torch.float8_e5m2), b_row_major.to(torch.float8_e5m2).t().contiguous().t(),
+                         scale_a=one, scale_b=one)
+        torch._scaled_mm(a.t().contiguous().t(), b_row_major.t().contiguous().t(), scale_a=one, scale_b=one,
+                         out_dtype=torch.bfloat16)
+    row_b, both_e5m2, col_a = (sm90_violations(c) for c in recorder.calls)
+    assert any("B [64x48] has strides (48, 1)" in p and "column-major" in p for p in row_b)
+    assert any("both operands are float8_e5m2" in p for p in both_e5m2)
+    assert any("no out_dtype" in p for p in both_e5m2)
+    assert any("A [32x64] has strides (1, 32)" in p and "row-major" in p for p in col_a)
+
+
+def test_sm90_rules_check_divisibility_and_scales():
+    a = torch.zeros(32, 40, dtype=torch.float8_e4m3fn)  # K = 40 (the CPU accepts it)
+    b = torch.zeros(48, 40, dtype=torch.float8_e4m3fn).t()
+    recorder = ScaledMMRecorder(32, 40, 48)
+    with recorder:
+        torch._scaled_mm(a, b, scale_a=torch.ones(()), scale_b=torch.ones((), dtype=torch.float64).float(),
+                         out_dtype=torch.bfloat16)
+    problems = sm90_violations(recorder.calls[0])
+    assert any("K (A.size(1)) = 40 is not divisible by 16" in p for p in problems)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("lead", [(32,), (2, 16)])
+@pytest.mark.parametrize("dtypes", [("bf16", "bf16"), ("fp32", "fp32")])
+def test_expected_contract_is_nn_linear(layout, lead, dtypes):
+    """The engine's idea of nn.Linear's dtypes, shapes and strides is nn.Linear's own."""
+    case = Case(lead=lead, K=32, N=16, input_dtype=dtypes[0], weight_dtype=dtypes[1], bias=True,
+                input_layout=layout, weight_layout=layout)
+    data = make_data(case)
+    linear = nn.Linear(case.K, case.N, dtype=case.torch_weight_dtype)
+    linear.weight = nn.Parameter(materialize(data.steps[0].weight, layout))
+    x = materialize(data.steps[0].input, layout).requires_grad_()
+    out = linear(x)
+    out.backward(torch.ones_like(out))
+    actual = dict(output=out, grad_input=x.grad, grad_weight=linear.weight.grad, grad_bias=linear.bias.grad)
+    for name, expected in expected_contract(case).items():
+        assert contract_violations(actual[name], expected, name) == []
+
+
+def test_contract_violations_describe_the_difference():
+    case = Case(lead=(16,), K=32, N=16)
+    expected = expected_contract(case)["output"]
+    wrong = torch.zeros(16, 16, dtype=torch.float32)
+    assert contract_violations(wrong, expected, "output") == ["output dtype is float32, nn.Linear gives bfloat16"]
+    column_major = torch.zeros(16, 16, dtype=torch.bfloat16).t()
+    assert "strides are (1, 16), nn.Linear gives (16, 1)" in contract_violations(column_major, expected, "output")[0]
+
+
+def test_float8_linear_contract_on_nd_input():
+    layer = Float8Linear(32, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    out.backward(torch.ones_like(out))
+    assert out.shape == (2, 8, 16) and out.is_contiguous() and x.grad.shape == x.shape

@@ -1,0 +1,217 @@
+"""fp8_impl against torchao's Float8Linear (tensorwise, eager): bitwise equal, forward and backward.
+
+Plain pytest, no engine: these tests stand on their own so the engine's tests can trust fp8_impl.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp8_impl
+from fp8_impl import Float8Linear, Float8LinearConfig, convert_to_float8_training, float8_matmul
+from parity.impls import quiet_imports
+
+with quiet_imports():
+    from torchao.float8 import Float8LinearConfig as TorchaoConfig
+    from torchao.float8 import convert_to_float8_training as torchao_convert
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# (leading dims, K, N): 2-D and 3-D inputs, non-square, K == N, and one wider shape.
+SHAPES = [((32,), 64, 48), ((2, 16), 32, 80), ((4, 8, 16), 48, 48), ((128,), 256, 112)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _shape_id(shape) -> str:
+    lead, K, N = shape
+    return f"M{'x'.join(map(str, lead))}K{K}N{N}"
+
+
+def run_layer(layer: nn.Module, linear: nn.Linear, x: torch.Tensor, grad_output: torch.Tensor):
+    """(output, grad_input, grad_weight, grad_bias) of one forward + backward."""
+    x = x.detach().clone().requires_grad_()
+    output = layer(x)
+    output.backward(grad_output)
+    return output.detach(), x.grad, linear.weight.grad, None if linear.bias is None else linear.bias.grad
+
+
+def assert_bitwise(ours, theirs, names=("output", "grad_input", "grad_weight", "grad_bias")):
+    for name, a, b in zip(names, ours, theirs):
+        if a is None and b is None:
+            continue
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != torchao's {b.dtype}"
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != torchao's {tuple(b.shape)}"
+        assert torch.equal(a, b), (
+            f"{name}: not bitwise equal to torchao: {(a != b).sum().item()} of {a.numel()} elements differ, "
+            f"max abs diff {(a.double() - b.double()).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("input_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_bitwise_equal_to_torchao(shape, input_dtype, weight_dtype, bias, device, generator):
+    lead, K, N = shape
+    torch.manual_seed(generator.initial_seed())
+    base = nn.Linear(K, N, bias=bias, dtype=DTYPES[weight_dtype], device=device)
+    x = torch.randn(*lead, K, generator=generator).to(DTYPES[input_dtype]).to(device)
+    grad_output = torch.randn(*lead, N, generator=generator).to(DTYPES[input_dtype]).to(device)
+
+    ours_linear, theirs_linear = copy.deepcopy(base), copy.deepcopy(base)
+    ours = run_layer(convert_to_float8_training(nn.Sequential(ours_linear)), ours_linear, x, grad_output)
+    theirs = run_layer(torchao_convert(nn.Sequential(theirs_linear), config=TorchaoConfig()), theirs_linear, x,
+                       grad_output)
+    assert_bitwise(ours, theirs)
+    # nn.Linear's contract: dtypes of output and gradients.
+    assert ours[0].dtype == DTYPES[input_dtype] and ours[1].dtype == DTYPES[input_dtype]
+    assert ours[2].dtype == DTYPES[weight_dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_bitwise_equal_for_non_contiguous_input(layout, device, generator):
+    """The same logical input in other strides gives the same bits as torchao (and as contiguous)."""
+    torch.manual_seed(0)
+    base = nn.Linear(64, 32, dtype=torch.bfloat16, device=device)
+    x = torch.randn(48, 64, generator=generator).to(torch.bfloat16).to(device)
+    grad_output = torch.randn(48, 32, generator=generator).to(torch.bfloat16).to(device)
+    strided = x.t().contiguous().t() if layout == "transposed" else torch.repeat_interleave(x, 2, dim=1)[:, ::2]
+    assert torch.equal(strided, x) and not strided.is_contiguous()
+    results = []
+    for convert, data in ((convert_to_float8_training, x), (convert_to_float8_training, strided),
+                          (lambda m: torchao_convert(m, config=TorchaoConfig()), strided)):
+        linear = copy.deepcopy(base)
+        results.append(run_layer(convert(nn.Sequential(linear)), linear, data, grad_output))
+    assert_bitwise(results[1], results[2])
+    assert_bitwise(results[1], results[0])
+
+
+def test_float8_matmul_is_a_drop_in_for_matmul(generator):
+    x = torch.randn(32, 64, generator=generator, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 64, generator=generator, dtype=torch.bfloat16, requires_grad=True)
+    out = float8_matmul(x, w)
+    out.sum().backward()
+    exact = x.detach().double() @ w.detach().double().t()
+    sqnr = 20 * torch.log10(exact.norm() / (out.double() - exact).norm())
+    assert out.shape == (32, 48) and out.dtype == torch.bfloat16
+    assert sqnr > 25.5, f"output SQNR {sqnr:.1f} dB; e4m3 x e4m3 tensorwise gives about 28.5 dB"
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+def test_saves_fp8_tensors_for_backward():
+    """Activation memory: the tensors kept for backward are FP8, not the bf16 input and weight."""
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        float8_matmul(x, w)
+    big = [t for t in saved if t.numel() > 1]
+    assert big and all(t.dtype in (fp8_impl.E4M3, fp8_impl.E5M2) for t in big), [t.dtype for t in big]
+
+
+def test_from_float_shares_parameters():
+    linear = nn.Linear(32, 16)
+    converted = Float8Linear.from_float(linear)
+    assert converted.weight is linear.weight and converted.bias is linear.bias
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 16)))
+    params_before = [id(p) for p in model.parameters()]
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "0")
+    assert type(model[0]) is nn.Linear and isinstance(model[2][0], Float8Linear)
+    assert [id(p) for p in model.parameters()] == params_before
+
+
+def test_root_linear_is_returned_converted():
+    converted = convert_to_float8_training(nn.Linear(16, 16))
+    assert isinstance(converted, Float8Linear)
+
+
+def test_config_recipes():
+    assert Float8LinearConfig.from_recipe_name("tensorwise") == Float8LinearConfig()
+    with pytest.raises(ValueError, match=r"supports the recipes \['tensorwise'\], got 'rowwise'"):
+        Float8LinearConfig.from_recipe_name("rowwise")
+    with pytest.raises(TypeError, match="output_fast_accum must be a bool"):
+        Float8LinearConfig(output_fast_accum="yes")
+    assert Float8LinearConfig().short_str() == "tensorwise,acc:fast/fp32"
+
+
+def test_fp8_formats():
+    assert fp8_impl.FP8_MAX[torch.float8_e4m3fn] == 448.0 and fp8_impl.FP8_MAX[torch.float8_e5m2] == 57344.0
+    assert fp8_impl.FP8_MAX[torch.float8_e4m3fnuz] == 240.0 and fp8_impl.FP8_MAX[torch.float8_e5m2fnuz] == 57344.0
+    if not torch.version.hip:
+        assert (fp8_impl.E4M3, fp8_impl.E5M2) == (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def test_zeros_give_zeros_and_saturation_never_nan():
+    linear = Float8Linear(32, 16, dtype=torch.bfloat16)
+    zeros = torch.zeros(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    out = linear(zeros)
+    out.backward(torch.zeros_like(out))
+    assert torch.equal(out, linear.bias.expand_as(out).to(out.dtype)) and not zeros.grad.isnan().any()
+    huge = torch.full((16, 32), 1e30, dtype=torch.float32)
+    assert torch.isfinite(Float8Linear(32, 16)(huge)).all()
+
+
+# ---- clear errors, raised before any kernel runs -----------------------------------------------
+
+@pytest.mark.parametrize(("lead", "K", "N", "match"), [
+    ((20,), 32, 16, r"M = 20 is not divisible by 16 \(M = tokens \(the product of the input's leading dims \(20,\)\)"),
+    ((2, 7), 32, 16, r"M = 14 is not divisible by 16 .*leading dims \(2, 7\).*pad the batch or sequence"),
+])
+def test_tokens_not_divisible_by_16(lead, K, N, match):
+    with pytest.raises(ValueError, match=match):
+        Float8Linear(K, N)(torch.randn(*lead, K))
+
+
+@pytest.mark.parametrize(("K", "N", "which"), [(20, 16, "in_features \\(K\\) = 20"), (32, 40, "out_features \\(N\\) = 40")])
+def test_features_not_divisible_by_16(K, N, which):
+    with pytest.raises(ValueError, match=f"{which} is not divisible by 16.*module_filter_fn"):
+        convert_to_float8_training(nn.Sequential(nn.Linear(K, N)))
+    with pytest.raises(ValueError, match=f"{which} is not divisible by 16"):
+        Float8Linear(K, N)
+
+
+def test_convert_names_the_layer():
+    with pytest.raises(ValueError, match="layer 'head': in_features"):
+        convert_to_float8_training(nn.ModuleDict({"body": nn.Linear(16, 16), "head": nn.Linear(24, 16)}))
+
+
+@pytest.mark.parametrize(("x", "error", "match"), [
+    (torch.randn(32), ValueError, r"at least 2 dims \[\*, K\].*got shape \(32,\)"),
+    (torch.ones(16, 32, dtype=torch.int64), TypeError, "needs a floating-point input tensor, got torch.int64"),
+    (torch.randn(16, 32, dtype=torch.float64), TypeError, "dtype torch.float64 is not supported.*bfloat16, float16 or float32"),
+])
+def test_bad_input(x, error, match):
+    with pytest.raises(error, match=match):
+        Float8Linear(32, 16)(x)
+
+
+def test_float8_matmul_errors():
+    with pytest.raises(ValueError, match=r"needs a 2-D input \[M, K\], got shape \(2, 16, 32\)"):
+        float8_matmul(torch.randn(2, 16, 32), torch.randn(16, 32))
+    with pytest.raises(ValueError, match="input has K=32 features but weight expects 48"):
+        float8_matmul(torch.randn(16, 32), torch.randn(16, 48))
+    with pytest.raises(ValueError, match="N = 24 is not divisible by 16"):
+        float8_matmul(torch.randn(16, 32), torch.randn(24, 32))
+
+
+def test_module_is_small():
+    """fp8_impl is meant to be read: about 150 lines of code besides docstrings and comments."""
+    import ast
+    import inspect
+    total = 0
+    for module in (fp8_impl.matmul, fp8_impl.linear):
+        source = inspect.getsource(module)
+        docstrings = sum(len(ast.get_docstring(node, clean=False).splitlines())
+                         for node in ast.walk(ast.parse(source))
+                         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node))
+        code = [line for line in source.splitlines() if line.strip() and not line.strip().startswith("#")]
+        total += len(code) - docstrings
+    assert total <= 220, f"fp8_impl has {total} lines of code; keep it near 150"

@@ -1,0 +1,82 @@
+"""Loading implementations: the three forms, built-ins, and clear errors for bad names."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from parity.impls import BUILTINS, Form, ImplError, detect_form, load_impl
+
+MUTANTS = "property_tests/mutants.py"
+
+
+@pytest.mark.parametrize(("spec", "form"), [
+    ("fp8_impl:float8_matmul", Form.FUNCTION),
+    ("fp8_impl:Float8Linear", Form.MODULE),
+    ("fp8_impl:convert_to_float8_training", Form.CONVERTER),
+    (f"{MUTANTS}:correct", Form.FUNCTION),
+    (f"{MUTANTS}:CachedWeightLinear", Form.MODULE),
+])
+def test_forms_are_detected_and_built(spec, form):
+    impl = load_impl(spec)
+    assert impl.form is form
+    linear = nn.Linear(32, 16, dtype=torch.bfloat16)
+    module, weight, bias = impl.build(linear)
+    assert weight is linear.weight and bias is linear.bias
+    out = module(torch.randn(16, 32, dtype=torch.bfloat16))
+    assert out.shape == (16, 16) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_builtins_load(name):
+    impl = load_impl(name)
+    assert impl.name == name
+    linear = nn.Linear(32, 16)
+    module, _, _ = impl.build(linear)
+    assert isinstance(module, nn.Module)
+
+
+def test_form_override():
+    impl = load_impl("fp8_impl:convert_to_float8_training", form="converter")
+    assert impl.form is Form.CONVERTER
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    ("nope", r"unknown implementation 'nope': name a built-in \(fp8_impl, torchao:tensorwise"),
+    ("torchao:colwise", r"cannot import 'torchao'|has no attribute 'colwise'"),
+    ("fp8_impl:float8_matmull", r"has no attribute 'float8_matmull'; did you mean \['float8_matmul'"),
+    ("no_such_package.mod:f", r"cannot import 'no_such_package.mod': ModuleNotFoundError"),
+    ("missing/file.py:f", r"implementation file 'missing/file.py' does not exist"),
+    ("fp8_impl:E4M3", r"is not callable; accepted forms: a function f\(input_2d, weight\)"),
+    ("parity.cases:Case", r"class Case is not an nn.Module with a classmethod from_float"),
+])
+def test_bad_names_give_clear_errors(spec, match):
+    with pytest.raises(ImplError, match=match):
+        load_impl(spec)
+
+
+def test_file_that_fails_to_import_shows_the_error(tmp_path):
+    broken = tmp_path / "broken_impl.py"
+    broken.write_text("import torch\nraise RuntimeError('kernel library missing')\n")
+    with pytest.raises(ImplError, match=r"RuntimeError: kernel library missing \(at .*broken_impl.py:2\)"):
+        load_impl(f"{broken}:f")
+
+
+def test_file_can_import_its_siblings(tmp_path):
+    (tmp_path / "helpers_for_impl.py").write_text("import torch\ndef mm(x, w):\n    return x @ w.t()\n")
+    (tmp_path / "impl_with_sibling.py").write_text(textwrap.dedent("""
+        from helpers_for_impl import mm
+        def matmul(input_2d, weight):
+            return mm(input_2d, weight)
+    """))
+    assert load_impl(f"{tmp_path / 'impl_with_sibling.py'}:matmul").form is Form.FUNCTION
+
+
+def test_unrecognized_signature():
+    def three(a, b, c):
+        return a
+    with pytest.raises(ImplError, match="takes 3 required positional arguments"):
+        detect_form(three)

@@ -1,0 +1,95 @@
+"""The oracle is exact and the metrics measure what they claim."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import fp8_impl
+from parity import oracles
+from parity.metrics import compare, describe_mismatch, ulp
+
+FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+
+
+@pytest.mark.parametrize("fp8", FORMATS, ids=str)
+def test_grid_rounding_matches_torch_cast_on_every_value(fp8):
+    """Every fp8 value, every midpoint between neighbours (ties to even) and the float32 values
+    just off each midpoint: quantization always rounds a float32 product onto the fp8 grid."""
+    fmt = oracles.FORMATS[fp8]
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8).to(torch.float32)
+    grid = torch.unique(grid[torch.isfinite(grid)])
+    midpoints = (grid[1:] + grid[:-1]) / 2  # exact in float32
+    probes = torch.cat([grid, midpoints, torch.nextafter(midpoints, torch.full_like(midpoints, math.inf)),
+                        torch.nextafter(midpoints, torch.full_like(midpoints, -math.inf))])
+    probes = probes[probes.abs() <= fmt.max]
+    ours = oracles.round_to_fp8_grid(probes.to(torch.float64), fp8)
+    assert torch.equal(ours, probes.to(fp8).to(torch.float64))
+
+
+@given(x=st.lists(st.floats(-1e6, 1e6, allow_subnormal=True, width=32), min_size=1, max_size=64))
+@example(x=[0.0, 0.0])
+@example(x=[448.0, -448.0, 1.0])
+@example(x=[1e-30, -3e-38, 2e-39])
+def test_emulated_quantization_equals_fp8_impl(x):
+    """quantize() reproduces fp8_impl.to_float8 exactly: the same fp8 values and inverse scale."""
+    tensor = torch.tensor(x, dtype=torch.float32)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        data, inv_scale = fp8_impl.to_float8(tensor, fp8)
+        q = oracles.quantize(tensor, fp8)
+        assert torch.equal(q.values, data.to(torch.float64))
+        assert q.inv_scale.item() == inv_scale.item()
+
+
+def test_emulated_gemm_is_exact():
+    """fp8 x fp8 products have <= 8 significant bits: float64 sums of them are exact (checked in
+    exact rational arithmetic through integer scaling)."""
+    g = torch.Generator().manual_seed(0)
+    a = oracles.quantize(torch.randn(16, 64, generator=g), torch.float8_e4m3fn)
+    b = oracles.quantize(torch.randn(32, 64, generator=g), torch.float8_e5m2)
+    exact_int = (a.values * 2**9).long() @ (b.values * 2**16).long().t()  # all fp8 values are multiples of these
+    assert torch.equal((a.values @ b.values.t()), exact_int.to(torch.float64) / 2**25)
+
+
+def test_compare_counts_and_locates():
+    reference = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
+    candidate = reference.clone()
+    candidate[1, 0] = 3.5
+    m = compare(candidate, reference)
+    assert not m["bitwise"] and m["n_diff"] == 1 and m["max_abs_index"] == (1, 0)
+    assert m["max_abs_err"] == 0.5 and m["worst_candidate"] == 3.5 and m["worst_reference"] == 3.0
+    assert m["ulp_max"] == 0.5 / 2.0 ** (1 - 7)  # bf16 spacing at 3.0 is 2^-6
+    expected_sqnr = 20 * math.log10(math.sqrt(1 + 4 + 9 + 16) / 0.5)
+    assert m["sqnr_db"] == pytest.approx(expected_sqnr)
+    assert compare(reference, reference)["bitwise"] and compare(reference, reference)["sqnr_db"] == math.inf
+    assert not compare(reference.float(), reference)["bitwise"]  # same values, other dtype
+
+
+def test_compare_handles_non_finite():
+    ref = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
+    same = compare(ref.clone(), ref)
+    assert same["bitwise"] and same["nan"] == 1 and same["ref_inf"] == 1
+    broken = ref.clone()
+    broken[0] = float("nan")
+    m = compare(broken, ref)
+    assert m["max_abs_err"] == math.inf and m["max_abs_index"] == (0,) and m["nan"] == 2
+
+
+def test_ulp_spacing():
+    assert ulp(torch.tensor([1.0]), torch.bfloat16).item() == 2.0 ** -7
+    assert ulp(torch.tensor([1.0]), torch.float32).item() == 2.0 ** -23
+    assert ulp(torch.tensor([0.0]), torch.float16).item() == 2.0 ** -24
+
+
+def test_describe_mismatch_reads_like_assert_close():
+    reference = torch.ones(4, 4)
+    candidate = reference.clone()
+    candidate[2, 3] = 1.5
+    row = dict(compare(candidate, reference), tensor="output", reference="fp64", step=0, dtype="float32")
+    text = describe_mismatch(row, allowed="bitwise equal")
+    assert "Mismatched elements: 1 / 16 (6.2%)" in text
+    assert "Greatest absolute difference: 0.5 at index (2, 3)" in text and "Allowed: bitwise equal" in text
