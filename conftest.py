@@ -18,7 +18,10 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
+
+from parity import sharding, suite
+from parity.impls import ImplError
 
 _COMMON = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.function_scoped_fixture])
@@ -52,10 +55,28 @@ def pytest_addoption(parser):
     group.addoption("--parity-report", default=None, metavar="DIR",
                     help="write the metric rows the property tests computed as a report into DIR")
     group.addoption("--seed", type=int, default=0, help="base seed of the data of non-hypothesis tests")
+    group.addoption("--case", default=None, metavar="CASE_ID",
+                    help="run the property tests on exactly this case (what a failure's rerun command passes)")
 
 
+@pytest.hookimpl(trylast=True)  # after hypothesis has loaded --hypothesis-profile
 def pytest_configure(config):
     config.addinivalue_line("markers", f"gpu: {GPU_SKIP_REASON}; skipped elsewhere")
+    profile = getattr(settings, "_current_profile", None) or DEFAULT_PROFILE
+    case_id = config.getoption("--case")
+    if case_id:  # exactly one case: no explicit @examples, one generated example (the given case)
+        settings.register_profile("rerun", parent=settings.get_profile(profile), max_examples=1,
+                                  phases=[Phase.generate])
+        settings.load_profile("rerun")
+    device = config.getoption("--device")
+    if device == "auto":
+        device = "cuda" if fp8_gpu_available() else "cpu"
+    configured = suite.configure(impl=config.getoption("--impl"), against=config.getoption("--against"),
+                                 device=device, case_id=case_id, profile=profile)
+    try:
+        configured.candidate, configured.reference  # noqa: B018 - load now: a bad name is a usage error
+    except ImplError as err:
+        raise pytest.UsageError(f"--impl/--against: {err}") from None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,6 +99,9 @@ def device(pytestconfig) -> str:
     return requested
 
 
+xdist_device = pytest.fixture(scope="session", name="xdist_device")(sharding.xdist_device)
+
+
 @pytest.fixture
 def seed(pytestconfig) -> int:
     """Seed for the data of a non-hypothesis test (hypothesis draws its own)."""
@@ -87,3 +111,21 @@ def seed(pytestconfig) -> int:
 @pytest.fixture
 def generator(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """--parity-report DIR: the metric rows the property tests computed, through the one report writer."""
+    out = session.config.getoption("--parity-report")
+    if not out or not suite.SUITE.rows:
+        return
+    import pandas as pd
+
+    from parity.env import environment
+    from parity.report import verdict, write_report
+    frame = pd.DataFrame.from_records(suite.SUITE.rows)
+    frame.attrs["env"] = environment(suite.SUITE.device)
+    judged = verdict(frame, candidate=suite.SUITE.candidate.name, parity_reference=suite.SUITE.reference.name)
+    write_report(frame, out, title=f"fp8-parity property suite: {suite.SUITE.candidate.name}",
+                 candidate=suite.SUITE.candidate.name, parity_reference=suite.SUITE.reference.name, verdict=judged)
+    session.config.get_terminal_writer().line(f"parity report: {out}/summary.md ({judged.headline})")
+

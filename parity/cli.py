@@ -8,9 +8,12 @@ or input, 125 cannot run here (e.g. a GPU-only command without a GPU). 125 is wh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 from parity.cases import CaseError, parse_case_id
 from parity.impls import BUILTIN_HELP, Form, ImplError, load_impl
@@ -62,6 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
     check.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the result as JSON")
     check.add_argument("--quiet", action="store_true", help="no progress line")
+
+    from parity.sweep import DEFAULT_IMPLS, PRESETS
+    sweep = commands.add_parser("sweep", help="error tables of many implementations on named shapes and samples",
+                                description="Run implementations against fp64 and torchao tensorwise on a preset's "
+                                            "named layer shapes plus a hypothesis sample; write a report. Exit 1 "
+                                            "when the candidate (first --impl) loses parity anywhere.")
+    sweep.add_argument("--impl", action="append", default=None, metavar="IMPL",
+                       help=f"implementations (repeatable; default: {', '.join(DEFAULT_IMPLS)}); the first is the "
+                            f"candidate whose parity decides the exit code")
+    sweep.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="default: cuda if a GPU is present, else cpu")
+    sweep.add_argument("--preset", choices=list(PRESETS), default="quick",
+                       help="; ".join(f"{p.name}: {p.description}" for p in PRESETS.values()))
+    sweep.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")
+    sweep.add_argument("--samples", type=int, default=None, help="override the preset's number of sampled cases")
+    sweep.add_argument("--gpus", type=int, default=1,
+                       help="split the cases over this many GPUs, one process each (default 1; capped at the GPUs "
+                            "present; on the CPU one worker)")
+    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    report = commands.add_parser("report", help="re-render a report from a stored results table")
+    report.add_argument("results", type=Path, help="results.csv.gz (or .csv/.parquet) or a report directory")
+    report.add_argument("--out", type=Path, default=None, help="report directory (default: next to RESULTS)")
+    report.add_argument("--candidate", default="fp8_impl", help="whose parity the verdict judges")
+
+    diff = commands.add_parser("diff", help="compare two result sets: what moved beyond noise",
+                               description="Compare two results tables (two torch versions, two commits) case by "
+                                           "case; list the cases and tensors whose metrics moved beyond noise.")
+    diff.add_argument("a", type=Path, help="results table or report directory (before)")
+    diff.add_argument("b", type=Path, help="results table or report directory (after)")
+    diff.add_argument("--sqnr-tolerance", type=float, default=0.1, help="dB an SQNR may move (default 0.1)")
+    diff.add_argument("--csv", type=Path, default=None, help="also write the moves as CSV")
     return parser
 
 
@@ -73,6 +109,99 @@ def _progress(enabled: bool):
         sys.stderr.write(f"\r  {done} cases run (search budget {total})")
         sys.stderr.flush()
     return show
+
+
+def _progress_bar(enabled: bool, what: str = "cases"):
+    """A one-line progress bar on stderr (a line every 10% when stderr is not a terminal)."""
+    if not enabled:
+        return None
+    tty, last = sys.stderr.isatty(), {"decile": -1}
+
+    def show(done: int, total: int, elapsed: float) -> None:
+        left = elapsed / done * (total - done) if done else 0.0
+        bar = "#" * int(30 * done / total)
+        line = f"  [{bar:<30}] {done}/{total} {what}, {elapsed:.0f} s elapsed, ~{left:.0f} s left"
+        if tty:
+            sys.stderr.write("\r" + line + ("\n" if done == total else ""))
+        elif done * 10 // total != last["decile"]:
+            last["decile"] = done * 10 // total
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    return show
+
+
+def _default_report_dir() -> Path:
+    import datetime
+    return Path("reports") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def cmd_sweep(args) -> int:
+    from parity.check import resolve_device
+    from parity.report import verdict, write_report
+    from parity.sweep import (DEFAULT_IMPLS, DEFAULT_REFERENCES, PRESETS, named_shape_table, run_sweep,
+                              run_sweep_sharded)
+
+    device, reason = resolve_device(args.device)
+    if device is None:
+        print(f"fp8-parity sweep: cannot run here: {reason}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    impl_names = args.impl or list(DEFAULT_IMPLS)
+    impls = [load_impl(name) for name in impl_names]
+    references = [load_impl(name) for name in DEFAULT_REFERENCES]
+    preset = PRESETS[args.preset]
+    if args.samples is not None:
+        preset = dataclasses.replace(preset, samples=args.samples)
+    cases = preset.cases(device, seed=args.seed)
+    out = args.out or _default_report_dir()
+    print(f"fp8-parity sweep: preset {preset.name} ({preset.description}), {len(cases)} cases x "
+          f"{len(impls)} implementations on {device}", file=sys.stderr)
+    gpus = min(args.gpus, torch.cuda.device_count()) if device == "cuda" else 1
+    if args.gpus > 1 and gpus < args.gpus:
+        print(f"fp8-parity sweep: --gpus {args.gpus}, but {gpus or 'no'} GPU(s) here: using {max(gpus, 1)} worker",
+              file=sys.stderr)
+    if gpus > 1:
+        frame = run_sweep_sharded(cases, impl_names, DEFAULT_REFERENCES, devices=[f"cuda:{i}" for i in range(gpus)])
+    else:
+        frame = run_sweep(cases, impls, references, device=device, progress=_progress_bar(not args.quiet))
+    judged = verdict(frame, candidate=impls[0].name)
+    written = write_report(frame, out, title=f"fp8-parity sweep: {preset.name} preset on {device}",
+                           candidate=impls[0].name, verdict=judged,
+                           extra_tables={"by named shape": named_shape_table(frame, candidate=impls[0].name)})
+    print(judged.headline)
+    print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
+    return EXIT_PASS if judged.ok else EXIT_FAIL
+
+
+def cmd_report(args) -> int:
+    from parity.report import verdict, write_report
+
+    frame = _read(args.results)
+    out = args.out or (args.results if args.results.is_dir() else args.results.parent)
+    judged = verdict(frame, candidate=args.candidate)
+    write_report(frame, out, candidate=args.candidate, verdict=judged)
+    print(judged.headline)
+    print(f"report: {out}/summary.md")
+    return EXIT_PASS
+
+
+def _read(path: Path):
+    from parity.report import read_results
+    if not path.exists():
+        raise UsageError(f"{path} does not exist (give a results.csv.gz or a report directory)")
+    try:
+        return read_results(path)
+    except (ValueError, OSError) as err:
+        raise UsageError(f"cannot read results from {path}: {err}") from None
+
+
+def cmd_diff(args) -> int:
+    from parity.report import diff_results, render_diff
+
+    moves = diff_results(_read(args.a), _read(args.b), sqnr_tolerance_db=args.sqnr_tolerance)
+    print(render_diff(moves))
+    if args.csv:
+        moves.to_csv(args.csv, index=False)
+    return EXIT_PASS if moves.empty else EXIT_FAIL
 
 
 def cmd_check(args) -> int:
@@ -100,7 +229,7 @@ def cmd_check(args) -> int:
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
 
 
-COMMANDS = {"check": cmd_check}
+COMMANDS = {"check": cmd_check, "sweep": cmd_sweep, "report": cmd_report, "diff": cmd_diff}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+from typing import Sequence
+
 import torch
 
 EPS = 1e-12  # the amax floor of torchao's amax_to_scale
@@ -134,3 +137,75 @@ class _EmulatedMatmul(torch.autograd.Function):
 def emulated_matmul(input_2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The `emulated` built-in: exact FP8 math in the function form of an implementation."""
     return _EmulatedMatmul.apply(input_2d, weight)
+
+
+# ---- how far a real FP8 GEMM may be from the exact result ------------------------------------------
+
+# Unit roundoff of the GEMM accumulation. fp32 accumulation: 2^-24. Hopper's fast accumulation
+# keeps about 14 mantissa bits in the tensor-core partial sums (DeepSeek-V3 report, section
+# 3.3.2, measured on H800); we allow 2^-13, twice that, since the exact width is undocumented.
+# CPUs ignore use_fast_accum.
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+FAST_ACCUM_UNIT_ROUNDOFF = 2.0 ** -13
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24,
+                 torch.float64: 2.0 ** -53}
+_SMALLEST_SUBNORMAL = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, torch.float32: 2.0 ** -149,
+                       torch.float64: 2.0 ** -1074}
+
+
+def rounding_chain(case, tensor: str) -> list[torch.dtype]:
+    """The dtypes a tensor's GEMM result is rounded to, in order (as torchao and fp8_impl write it)."""
+    out = case.torch_input_dtype  # the output (and grad_output) dtype
+    target = {"output": out, "grad_input": out, "grad_weight": case.torch_weight_dtype,
+              "grad_bias": case.torch_weight_dtype}[tensor]
+    chain = [out]
+    if tensor == "output" and case.bias:
+        chain.append(out)  # the bias is added in the output dtype: a second rounding
+    if target != out:
+        chain.append(target)
+    return chain
+
+
+def magnitude_of(step: EmulatedStep, step_data, tensor: str) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(|A| @ |B| of the tensor's GEMM, its inner dimension, its exact value before any rounding);
+    grad_bias sums grad_output over M."""
+    if tensor == "grad_bias":
+        go = step_data.grad_output.reshape(-1, step_data.grad_output.shape[-1]).to(torch.float64)
+        return go.abs().sum(0), go.shape[0], go.sum(0)
+    return step.magnitude[tensor], step.inner_dim[tensor], getattr(step, tensor)
+
+
+def accumulation_excess(candidate: torch.Tensor, exact: torch.Tensor, *, magnitude: torch.Tensor, inner_dim: int,
+                        gemm_value: torch.Tensor, rounding_chain: Sequence[torch.dtype],
+                        bias: torch.Tensor | None = None, fast_accum: bool = False,
+                        sides: int = 1) -> tuple[float, int, tuple]:
+    """(max |c - e| / allowed, count beyond 1, index of the max) for the elementwise bound
+
+        allowed = sides * (gamma_k(u_acc) + 2 u_fp32) * (|A| @ |B|)
+                  + sum over the roundings d of the result: u_d (2 |G| + |c| + |e|) (1 + 2^-7)
+                  + u_out |bias| + smallest subnormals
+
+    G is the exact GEMM result (what is rounded first; with a bias, the final value can be far
+    smaller). gamma_k = k u / (1 - k u) bounds any order of k-term accumulation with unit
+    roundoff u (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1); 2 u_fp32
+    covers applying the two inverse scales in fp32; u_out |bias| lets a correct implementation
+    add the bias at another precision. `exact` is the emulated result rounded like the
+    candidate's; sides=2 when both sides are real GEMMs (each with its own error).
+    """
+    u_acc = FAST_ACCUM_UNIT_ROUNDOFF if fast_accum else FP32_UNIT_ROUNDOFF
+    gamma = inner_dim * u_acc / max(1 - inner_dim * u_acc, 1e-3)
+    c = candidate.detach().to(torch.float64).reshape(magnitude.shape)
+    e = exact.detach().to(torch.float64).reshape(magnitude.shape)
+    rounded = 2 * gemm_value.detach().to(torch.float64).abs().reshape(magnitude.shape) + c.abs() + e.abs()
+    allowed = sides * (gamma + 2 * FP32_UNIT_ROUNDOFF) * magnitude
+    for dtype in rounding_chain:
+        allowed = allowed + UNIT_ROUNDOFF[dtype] * rounded * (1 + 2 ** -7) + 2 * _SMALLEST_SUBNORMAL[dtype]
+    if bias is not None:
+        allowed = allowed + UNIT_ROUNDOFF[rounding_chain[0]] * bias.detach().to(torch.float64).abs()
+    excess = (c - e).abs() / allowed
+    excess = torch.where((c == e) | (torch.isnan(c) & torch.isnan(e)), 0.0, torch.nan_to_num(excess, nan=math.inf))
+    worst = excess.reshape(-1).argmax()
+    ratio, beyond, flat = torch.stack([excess.reshape(-1)[worst], (excess > 1).sum().to(torch.float64),
+                                       worst.to(torch.float64)]).tolist()
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), tuple(candidate.shape)))
+    return ratio, int(beyond), index

@@ -27,18 +27,6 @@ from parity.env import environment
 from parity.impls import Impl
 from parity.metrics import METRICS, compare
 
-# Unit roundoff of the GEMM accumulation, for the accumulation bound against the emulated oracle.
-# fp32 accumulation: 2^-24. Hopper's fast accumulation keeps about 14 mantissa bits in the
-# tensor-core partial sums (DeepSeek-V3 report, section 3.3.2, measured on H800); we allow
-# 2^-13, twice that, since the exact width is undocumented. CPUs ignore use_fast_accum.
-FP32_UNIT_ROUNDOFF = 2.0 ** -24
-FAST_ACCUM_UNIT_ROUNDOFF = 2.0 ** -13
-_UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24,
-                  torch.float64: 2.0 ** -53}
-_SMALLEST_SUBNORMAL = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, torch.float32: 2.0 ** -149,
-                       torch.float64: 2.0 ** -1074}
-
-
 @dataclass
 class Execution:
     """What one implementation produced on one case."""
@@ -115,51 +103,6 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False) -> Execution:
     return result
 
 
-def _accumulation_bound(candidate: torch.Tensor, emulated: torch.Tensor, tensor: str, step: oracles.EmulatedStep,
-                        data: CaseData, step_index: int, rounding_chain: Sequence[torch.dtype],
-                        fast_accum: bool) -> tuple[float, int, tuple]:
-    """(max |c - e| / allowed, count beyond, index of the max) for the elementwise bound:
-
-    allowed = sum over the roundings d of the result: u_d (|c| + |e|) (1 + 2^-7)
-              + (gamma_k(u_acc) + 2 u_fp32) * (|A| @ |B|) + smallest subnormals
-    where gamma_k = k u / (1 - k u) bounds any order of k-term accumulation with unit
-    roundoff u (Higham, Accuracy and Stability of Numerical Algorithms, 3.1), and 2 u_fp32
-    covers applying the two inverse scales in fp32.
-    """
-    case = data.case
-    if tensor == "grad_bias":
-        go = data.steps[step_index].grad_output.reshape(-1, case.N).to(torch.float64)
-        magnitude, inner = go.abs().sum(0), case.M
-    else:
-        magnitude, inner = step.magnitude[tensor], step.inner_dim[tensor]
-    u_acc = FAST_ACCUM_UNIT_ROUNDOFF if fast_accum else FP32_UNIT_ROUNDOFF
-    gamma = inner * u_acc / max(1 - inner * u_acc, 1e-3)
-    c = candidate.detach().to(torch.float64).reshape(magnitude.shape)
-    e = emulated.detach().to(torch.float64).reshape(magnitude.shape)
-    both = c.abs() + e.abs()
-    allowed = (gamma + 2 * FP32_UNIT_ROUNDOFF) * magnitude
-    for dtype in rounding_chain:
-        allowed = allowed + _UNIT_ROUNDOFF[dtype] * both * (1 + 2 ** -7) + 2 * _SMALLEST_SUBNORMAL[dtype]
-    excess = (c - e).abs() / allowed
-    excess = torch.where((c == e) | (torch.isnan(c) & torch.isnan(e)), 0.0, torch.nan_to_num(excess, nan=math.inf))
-    worst = excess.reshape(-1).argmax()
-    ratio, beyond, flat = torch.stack([excess.reshape(-1)[worst], (excess > 1).sum().to(torch.float64),
-                                       worst.to(torch.float64)]).tolist()
-    return ratio, int(beyond), tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), candidate.shape))
-
-
-def _rounding_chain(case: Case, tensor: str) -> list[torch.dtype]:
-    out = case.torch_input_dtype  # the output (and grad_output) dtype
-    target = {"output": out, "grad_input": out, "grad_weight": case.torch_weight_dtype,
-              "grad_bias": case.torch_weight_dtype}[tensor]
-    chain = [out]
-    if tensor == "output" and case.bias:
-        chain.append(out)  # the bias is added in the output dtype: a second rounding
-    if target != out:
-        chain.append(target)
-    return chain
-
-
 def compare_executions(data: CaseData, candidate: Execution, reference: Execution, *,
                        device_type: str) -> list[dict]:
     """Rows of `candidate` against `reference` for every tensor and step of the case."""
@@ -201,9 +144,12 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
                 # (or, when no _scaled_mm call was recorded, in the forward GEMM as torchao does).
                 fast = device_type == "cuda" and tensor == "output" and (not candidate.calls or any(
                     call.use_fast_accum for call in candidate.calls if call.gemm == "output"))
-                row["bound_ratio"], row["n_beyond_bound"], row["bound_index"] = _accumulation_bound(
-                    got, want, tensor, emulated_steps[step_index], data, step_index,
-                    _rounding_chain(case, tensor), fast)
+                magnitude, inner, value = oracles.magnitude_of(emulated_steps[step_index], data.steps[step_index],
+                                                               tensor)
+                row["bound_ratio"], row["n_beyond_bound"], row["bound_index"] = oracles.accumulation_excess(
+                    got, want, magnitude=magnitude, inner_dim=inner, gemm_value=value,
+                    rounding_chain=oracles.rounding_chain(case, tensor), fast_accum=fast,
+                    bias=data.bias if tensor == "output" and case.bias else None)
     return rows
 
 

@@ -1,0 +1,398 @@
+"""FP8 training under data parallelism, and spreading the test suite over several GPUs.
+
+Distributed parity
+------------------
+An FP8 linear layer that is bitwise equal to torchao's on one process can still drift under
+a data-parallel wrapper: DistributedDataParallel (DDP) all-reduces the gradients of whole
+parameters; FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps each parameter sharded,
+all-gathers it before each layer's forward and reduce-scatters its gradient, and torchao can
+all-gather the weights in FP8 (`Float8LinearConfig(enable_fsdp_float8_all_gather=True)`).
+
+`run_distributed_parity` trains one small MLP several ways in ONE launch of `world_size`
+processes (spawning a process that imports torch costs seconds, so each rank runs every
+requested (mode, impl) pair in turn, each from the same initial weights and data), and
+returns per step the loss and the full gradient of every parameter. `run_single_process`
+trains the same model on the full batch in this process, and `compare_runs` turns two runs
+into rows: per step and parameter, bitwise equality, max abs difference and SQNR.
+
+Tensorwise scaling is per process: under data parallelism each rank scales its own shard of
+the batch by that shard's amax, so a distributed run is NOT expected to be bitwise equal to
+one process on the full batch, even before the all-reduce sums in another order.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from parity.metrics import sqnr_db
+
+
+MODES = ("ddp", "fsdp2")
+IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:tensorwise+fsdp_float8_all_gather")
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """The model, data and optimizer every run of a comparison shares.
+
+    dims: feature sizes of the MLP, Linear(dims[0], dims[1]), ReLU, Linear(dims[1], dims[2]), ...;
+    all multiples of 16 (torch._scaled_mm). batch: rows of the full batch; each of the
+    world_size ranks trains on batch // world_size consecutive rows, which must also be a
+    multiple of 16 for the FP8 GEMMs. Weights and data are drawn from `seed` on the CPU, so
+    every rank and every run starts from the same bits; the loss is the fp32 MSE to a
+    random target, and the optimizer plain SGD (deterministic, no state).
+    """
+
+    dims: tuple[int, ...] = (64, 128, 96, 64)
+    batch: int = 32
+    steps: int = 3
+    seed: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    lr: float = 0.1
+
+    def __post_init__(self):
+        if len(self.dims) < 2:
+            raise ValueError(f"TrainSpec.dims needs at least two feature sizes (one Linear), got {self.dims}")
+        if self.steps < 1 or self.batch < 1:
+            raise ValueError(f"TrainSpec needs steps >= 1 and batch >= 1, got steps={self.steps}, batch={self.batch}")
+
+
+@dataclass
+class RunResult:
+    """One training run: per step, the loss and the full gradient of every parameter.
+
+    label is "mode/impl" ("ddp/fp8_impl", "single/fp8_impl"). losses[s] is the loss of step s
+    averaged over ranks (the same float on every rank); grads[s] maps a parameter name
+    ("0.weight") to its full gradient on the CPU, taken after backward and before the
+    optimizer step. weight_tensor_type is the class of the first layer's weight as stored
+    (shows whether torchao's FP8 all-gather weight wrapper is in place). error, when the run
+    failed, says which rank raised what; losses and grads are then empty.
+    """
+
+    mode: str
+    impl: str
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    weight_tensor_type: str | None = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}/{self.impl}"
+
+
+class DistributedRunError(RuntimeError):
+    """A launch that could not finish: a worker died without reporting, or the launch timed out."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and training (runs inside each worker, and in-process for the single-process run)
+# ---------------------------------------------------------------------------------------------
+
+def build_model(spec: TrainSpec, impl: str, device: torch.device) -> nn.Sequential:
+    """The spec's MLP with initial weights drawn from spec.seed, converted to FP8 by `impl`."""
+    torch.manual_seed(spec.seed)
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in zip(spec.dims, spec.dims[1:]):
+        if layers:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(fan_in, fan_out))
+    model = nn.Sequential(*layers).to(device=device, dtype=spec.dtype)
+    if impl == "fp8_impl":
+        import fp8_impl
+        return fp8_impl.convert_to_float8_training(model)
+    from parity.impls import quiet_imports
+    with quiet_imports():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    all_gather_in_fp8 = impl == "torchao:tensorwise+fsdp_float8_all_gather"
+    return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_fp8))
+
+
+def make_batch(spec: TrainSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full batch (input, target), drawn from spec.seed + 1 on the CPU: the same on every rank."""
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    inputs = torch.randn(spec.batch, spec.dims[0], generator=generator)
+    target = torch.randn(spec.batch, spec.dims[-1], generator=generator)
+    return inputs.to(device, spec.dtype), target.to(device, torch.float32)
+
+
+def wrap(model: nn.Module, mode: str, device: torch.device, world_size: int) -> nn.Module:
+    """The model as trained: itself ("single"), in DDP, or FSDP2 (each Linear, then the root)."""
+    if mode == "single":
+        return model
+    if mode == "ddp":
+        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full_gradient(param: nn.Parameter) -> torch.Tensor:
+    """The parameter's whole gradient on the CPU; FSDP2's sharded DTensor is gathered (a collective)."""
+    from torch.distributed.tensor import DTensor
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        grad = grad.full_tensor()
+    return grad.detach().to("cpu", copy=True)
+
+
+def train(spec: TrainSpec, mode: str, impl: str, *, device: torch.device, rank: int = 0,
+          world_size: int = 1) -> RunResult:
+    """Train spec.steps SGD steps on this rank's share of the batch (the rank-th of world_size chunks).
+
+    Under "ddp" and "fsdp2" a process group must be initialized; every rank must call this
+    with the same arguments (gradients and losses are gathered collectively).
+    """
+    from torch.distributed.tensor import DTensor
+    model = build_model(spec, impl, device)
+    trained = wrap(model, mode, device, world_size)
+    weight = model[0].weight
+    stored = weight.to_local() if isinstance(weight, DTensor) else weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    inputs, target = (t.chunk(world_size)[rank] for t in make_batch(spec, device))
+    result = RunResult(mode, impl, weight_tensor_type=type(stored).__name__)
+    for _ in range(spec.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(trained(inputs).float(), target)
+        loss.backward()
+        result.grads.append({name: _full_gradient(p) for name, p in model.named_parameters()})
+        optimizer.step()
+        loss = loss.detach()
+        if world_size > 1:
+            dist.all_reduce(loss)  # the shards are of equal size: the mean of the means is the mean
+            loss /= world_size
+        result.losses.append(loss.item())
+    return result
+
+
+def run_single_process(impl: str, spec: TrainSpec = TrainSpec(), *, device: str = "cpu") -> RunResult:
+    """Train `impl` on the full batch in this process, with no wrapper: the data-parallel baseline."""
+    _check_impl(impl)
+    return train(spec, "single", impl, device=torch.device(device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching: one process per rank, results back through files, errors back through a queue
+# ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _describe(err: BaseException) -> str:
+    """'ValueError: message (at file.py:123)': the exception and the innermost frame that raised it."""
+    frames = traceback.extract_tb(err.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{at}"
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What every worker needs: picklable, sent to each spawned process."""
+
+    runs: tuple[tuple[str, str], ...]
+    spec: TrainSpec
+    backend: str
+    world_size: int
+    device: str
+    port: int
+    timeout_s: float
+    out_dir: str
+
+
+def _worker(rank: int, launch: _Launch, messages) -> None:
+    """One rank: train every run in order; rank 0 saves each result to out_dir.
+
+    Messages to the parent: ("error", rank, run_index or None, text) on the first
+    exception, after which this rank stops (its peers may be blocked in a collective; the
+    parent ends them); ("done", rank) when every run is finished. A result file exists
+    only once complete (written aside, then renamed).
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.port))
+    if launch.backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast: it can take a shared host's GPUs down
+    run_index = None
+    try:
+        if launch.device == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world_size))  # no oversubscription
+            device = torch.device("cpu")
+        dist.init_process_group(launch.backend, rank=rank, world_size=launch.world_size,
+                                timeout=timedelta(seconds=launch.timeout_s))
+        for run_index, (mode, impl) in enumerate(launch.runs):
+            result = train(launch.spec, mode, impl, device=device, rank=rank, world_size=launch.world_size)
+            if rank == 0:
+                path = Path(launch.out_dir, f"run{run_index}.pt")
+                torch.save(vars(result), path.with_suffix(".partial"))
+                os.replace(path.with_suffix(".partial"), path)  # the parent never reads half a file
+        messages.put(("done", rank))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
+        messages.put(("error", rank, run_index, _describe(err)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {list(IMPLS)}")
+
+
+def _check_launch(runs, backend: str, world_size: int, device: str, spec: TrainSpec) -> None:
+    """Clear errors for a launch that cannot work, before any process starts."""
+    if not runs:
+        raise ValueError("runs is empty: give (mode, impl) pairs, e.g. [('ddp', 'fp8_impl')]")
+    for mode, impl in runs:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
+        _check_impl(impl)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if world_size < 1 or spec.batch % world_size:
+        raise ValueError(f"the batch of {spec.batch} rows does not split evenly over world_size={world_size} ranks")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (one GPU per rank), got {device!r}")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("backend='nccl' needs device='cuda'; use backend='gloo' on the CPU")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"device='cuda' needs one GPU per rank: world_size={world_size}, "
+                         f"but {torch.cuda.device_count()} GPU(s) are visible")
+
+
+class _Failure(NamedTuple):
+    """The first exception a rank reported."""
+
+    rank: int
+    run_index: int | None  # None: the rank failed before its first run (process group setup)
+    text: str
+
+
+def _await_workers(processes, messages, world_size: int, deadline: float) -> _Failure | None:
+    """Read messages until every rank is done (None) or one fails (its failure)."""
+    done = set()
+    while len(done) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            running = [rank for rank, p in enumerate(processes) if p.is_alive()]
+            raise DistributedRunError(f"the launch did not finish within timeout_s; ranks {running} were still "
+                                      f"running (a hang in a collective, or a slow machine: raise timeout_s)")
+        try:
+            message = messages.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            silent = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
+            if silent and messages.empty():
+                rank, code = silent[0]
+                raise DistributedRunError(f"rank {rank} exited with code {code} without reporting (killed, out of "
+                                          f"memory, crashed in native code, or failed to start: see its stderr)")
+            continue
+        if message[0] == "done":
+            done.add(message[1])
+        else:
+            return _Failure(*message[1:])
+    return None
+
+
+def _stop(processes, *, graceful: bool) -> None:
+    """Let finished workers exit (graceful), else terminate them: a failed rank's peers may be stuck."""
+    for process in processes:
+        process.join(timeout=10 if graceful else 0.1)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)
+
+
+def run_distributed_parity(runs: Sequence[tuple[str, str]], spec: TrainSpec = TrainSpec(), *,
+                           backend: str = "gloo", world_size: int = 2, device: str = "cpu",
+                           timeout_s: float = 120.0) -> dict[tuple[str, str], RunResult]:
+    """Train each (mode, impl) of `runs` on `world_size` spawned ranks; one launch for all of them.
+
+    mode: "ddp" or "fsdp2". impl: "fp8_impl", "torchao:tensorwise" or
+    "torchao:tensorwise+fsdp_float8_all_gather". Every run starts from the same weights and
+    batch (see TrainSpec). backend="gloo", device="cpu" runs anywhere (torch._scaled_mm is
+    emulated on the CPU); backend="nccl", device="cuda" puts rank r on GPU r.
+
+    Returns {(mode, impl): RunResult}, in the order of `runs`. A run that raises on any rank
+    gets a RunResult whose error names the rank and the exception; the other runs without a
+    saved result say which run failed first (the launch stops at the first failure: the
+    failed rank's peers may be stuck in a collective). Raises DistributedRunError if the
+    launch itself fails: a worker dies without reporting, or the launch takes longer than
+    timeout_s (also the process group's timeout). Every worker is ended before returning.
+    """
+    runs = tuple((mode, impl) for mode, impl in runs)
+    _check_launch(runs, backend, world_size, device, spec)
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="fp8-parity-dist-") as out_dir:
+        launch = _Launch(runs, spec, backend, world_size, device, free_port(), timeout_s, out_dir)
+        messages = context.Queue()
+        processes = [context.Process(target=_worker, args=(rank, launch, messages), daemon=True)
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        finished = False
+        try:
+            failure = _await_workers(processes, messages, world_size, time.monotonic() + timeout_s)
+            finished = failure is None
+        finally:
+            _stop(processes, graceful=finished)
+            messages.close()
+        return {run: _collect(index, runs, out_dir, failure) for index, run in enumerate(runs)}
+
+
+def _collect(index: int, runs: tuple[tuple[str, str], ...], out_dir: str, failure: _Failure | None) -> RunResult:
+    """Run `index`'s result as rank 0 saved it, or the error that kept it from being saved."""
+    mode, impl = runs[index]
+    path = Path(out_dir, f"run{index}.pt")
+    if path.exists():
+        return RunResult(**torch.load(path, weights_only=True))
+    if failure.run_index in (index, None):
+        return RunResult(mode, impl, error=f"rank {failure.rank}: {failure.text}")
+    failed = "/".join(runs[failure.run_index])
+    return RunResult(mode, impl, error=f"no result: rank {failure.rank} failed in {failed} first")
+
+
+def compare_runs(a: RunResult, b: RunResult) -> list[dict]:
+    """Rows comparing run `a` to run `b` (the reference): one per step and parameter.
+
+    Columns: a, b (labels), step, param, bitwise (every gradient bit equal), max_abs_diff,
+    sqnr_db (of a's gradient against b's; inf when equal), loss_a, loss_b, loss_diff (|a - b|,
+    the same in every row of a step). If either run failed, one row with its error.
+    """
+    if a.error or b.error:
+        return [dict(a=a.label, b=b.label, error=a.error or b.error)]
+    if len(a.losses) != len(b.losses) or a.grads[0].keys() != b.grads[0].keys():
+        raise ValueError(f"{a.label} and {b.label} are not comparable: {len(a.losses)} vs {len(b.losses)} steps, "
+                         f"parameters {sorted(a.grads[0])} vs {sorted(b.grads[0])}")
+    rows = []
+    for step, (loss_a, loss_b, grads_a, grads_b) in enumerate(zip(a.losses, b.losses, a.grads, b.grads)):
+        for name, grad_a in grads_a.items():
+            grad_b = grads_b[name]
+            rows.append(dict(
+                a=a.label, b=b.label, step=step, param=name, bitwise=torch.equal(grad_a, grad_b),
+                max_abs_diff=(grad_a.double() - grad_b.double()).abs().max().item(),
+                sqnr_db=sqnr_db(grad_a, grad_b), loss_a=loss_a, loss_b=loss_b, loss_diff=abs(loss_a - loss_b),
+            ))
+    return rows

@@ -1,0 +1,488 @@
+"""Reports of a results table: summary tables, a verdict, files for people, and diffs.
+
+The one writer of every report format. It reads the tidy table of parity.runner.run_cases
+(one row per case x implementation `impl` x `reference` x tensor x step) and gives:
+
+    summary_tables(frame)    SQNR against fp64 and bitwise parity against the parity reference,
+                             per implementation x tensor, then by K, distribution, layout, dtype
+    verdict(frame)           PASS/FAIL of one candidate in one sentence, with the evidence
+    write_report(frame, d)   results.csv.gz, summary.md, index.html, env.json and PNG plots in d
+    read_results(path)       a results file or report directory -> the same table
+    diff_results(a, b)       the rows whose metrics moved between two runs (render_diff prints it)
+
+SQNR statistics are order statistics (pandas' interpolation="lower"): every number shown was
+measured on some case, and SQNR = inf (the candidate equals the fp64 result bitwise, as on
+all-zero data) is a legitimate value that sorts last, never a NaN from interpolating inf - inf.
+A row whose implementation raised has no metrics: it counts as a crash, not in the accuracy.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from parity.cases import TENSORS
+
+ACCURACY_REFERENCE = "fp64"
+PARITY_REFERENCE = "torchao:tensorwise"
+RESULTS_FILE, ENV_FILE = "results.csv.gz", "env.json"
+KEY = ["case_id", "impl", "reference", "tensor", "step"]
+REQUIRED_COLUMNS = [*KEY, "K", "dist", "input_dtype", "weight_dtype", "input_layout", "weight_layout",
+                    "grad_output_layout", "bitwise", "n_diff", "numel", "sqnr_db", "max_rel_err", "max_abs_err",
+                    "max_abs_index", "nan", "inf", "error", "reference_error", "contract", "scaled_mm"]
+LAYOUT_COLUMNS = {"input_layout": "in", "weight_layout": "w", "grad_output_layout": "go"}
+OPERAND_LAYOUTS = [f"{operand}:{letter}" for operand in LAYOUT_COLUMNS.values() for letter in "CTSP"]
+K_BINS, K_LABELS = [0, 64, 256, 1024, 4096, math.inf], ["16-64", "65-256", "257-1024", "1025-4096", ">4096"]
+TEXT_COLUMNS = ["case_id", "lead", "error", "reference_error", "contract", "scaled_mm", "dtype", "max_abs_index",
+                "bound_index"]
+DETAILS_PER_FINDING = 20
+EXAMPLES_IN_HEADLINE = 3
+TABLE_HEADINGS = {  # table name -> (heading, note)
+    "overall": ("Accuracy against fp64 and bitwise parity, per implementation and tensor",
+                "SQNR columns are order statistics over the rows against fp64; inf means bitwise equal to fp64 "
+                "(all-zero data). NaN/Inf counts the candidate's non-finite elements (also where the reference "
+                "has them: fp16 overflow); crashed cases: cases where the implementation raised."),
+    "by_k": ("Median SQNR against fp64 (dB) by K", None),
+    "by_dist": ("Median SQNR against fp64 (dB) by data distribution", None),
+    "by_layout": ("Median SQNR against fp64 (dB) by operand layout",
+                  "in: input, w: weight, go: grad_output; C contiguous, T transposed, S sliced, P padded rows."),
+    "by_dtype": ("Median SQNR against fp64 (dB) by input and weight dtype", None),
+}
+CSS = """body{font-family:system-ui,sans-serif;max-width:80rem;margin:2rem auto;padding:0 1rem;color:#222}
+.headline{font-size:1.15rem;font-weight:600;padding:.6rem .8rem;border-radius:4px}
+.pass{background:#e6f4ea;border-left:6px solid #1e8e3e}.fail{background:#fce8e6;border-left:6px solid #d93025}
+.env{color:#555;font-family:monospace}table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0 1.5rem}
+th,td{border:1px solid #ccc;padding:.2rem .5rem;text-align:right}th{background:#f1f3f4}
+td:first-child,td:nth-child(2){text-align:left}img{max-width:100%;border:1px solid #eee}.note{color:#555}"""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a candidate keeps parity: `headline` is the one sentence a reader sees first,
+    `details` one line per finding (the evidence, or the context of a pass)."""
+
+    ok: bool
+    headline: str
+    details: list[str] = field(default_factory=list)
+
+
+def _validated(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame itself, or a ValueError that says what is wrong with it."""
+    if frame.empty:
+        raise ValueError("the results table is empty: there is nothing to report (did the run select no cases?)")
+    missing = [column for column in REQUIRED_COLUMNS if column not in frame.columns]
+    if missing:
+        raise ValueError(f"the results table lacks the columns {missing}: is it a table of parity.runner.run_cases?")
+    return frame
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _order_statistic(grouped, q: float) -> pd.Series:
+    return grouped.quantile(q, interpolation="lower")
+
+
+def _layout_label(rows: pd.DataFrame) -> pd.Series:
+    return ("in:" + rows["input_layout"].astype(str) + " w:" + rows["weight_layout"].astype(str)
+            + " go:" + rows["grad_output_layout"].astype(str))
+
+
+def _dtype_label(rows: pd.DataFrame) -> pd.Series:
+    return "in:" + rows["input_dtype"].astype(str) + " w:" + rows["weight_dtype"].astype(str)
+
+
+def _ran(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows where neither the implementation nor the reference raised: those with metrics."""
+    return rows[rows["error"].isna() & rows["reference_error"].isna()]
+
+
+def _accuracy_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows against fp64, with `tensor` ordered as the layer computes them."""
+    rows = frame[frame["reference"] == ACCURACY_REFERENCE]
+    return rows.assign(tensor=pd.Categorical(rows["tensor"], categories=TENSORS))
+
+
+def _overall(frame: pd.DataFrame, parity_reference: str) -> pd.DataFrame:
+    """Per implementation x tensor: the columns of the `overall` table (see summary_tables)."""
+    keys = ["impl", "tensor"]
+    frame = frame.assign(tensor=pd.Categorical(frame["tensor"], categories=TENSORS))
+    accuracy = frame[frame["reference"] == ACCURACY_REFERENCE].groupby(keys, observed=True)
+    sqnr = accuracy["sqnr_db"]
+    parity = _ran(frame[frame["reference"] == parity_reference])
+    once = frame.drop_duplicates(["case_id", "impl", "tensor", "step"])  # an impl's own facts repeat per reference
+    crashed = once[once["error"].notna()]
+    table = pd.concat({
+        "cases": frame.groupby(keys, observed=True)["case_id"].nunique(),
+        "SQNR median (dB)": _order_statistic(sqnr, 0.5),
+        "SQNR p05 (dB)": _order_statistic(sqnr, 0.05),
+        "SQNR min (dB)": sqnr.min(),
+        "max rel err": accuracy["max_rel_err"].max(),
+        f"bitwise vs {parity_reference} (%)": 100 * parity.groupby(keys, observed=True)["bitwise"].mean(),
+        "NaN/Inf": (once["nan"] + once["inf"]).groupby([once["impl"], once["tensor"]], observed=True).sum(),
+        "crashed cases": crashed.groupby(keys, observed=True)["case_id"].nunique(),
+    }, axis=1)
+    counts = ["NaN/Inf", "crashed cases"]
+    return table.assign(**{c: table[c].fillna(0).astype(int) for c in counts})
+
+
+def _median_sqnr_by(rows: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Median SQNR per implementation x tensor (rows) and value of `column` (columns)."""
+    return _order_statistic(rows.groupby(["impl", "tensor", column], observed=True)["sqnr_db"], 0.5).unstack(column)
+
+
+def summary_tables(frame: pd.DataFrame, *, parity_reference: str = PARITY_REFERENCE) -> dict[str, pd.DataFrame]:
+    """The report's tables, indexed by implementation x tensor, values numeric (inf kept).
+
+    overall    cases; median, p05 and min SQNR and max relative error against fp64; the rate
+               (%) of rows bitwise equal to `parity_reference`; the candidate's NaN/Inf
+               elements; cases that crashed.
+    by_k, by_dist, by_layout, by_dtype
+               median SQNR against fp64, one column per K bucket, distribution, operand layout
+               (marginal: in:T holds every case with a transposed input) or dtype pair. An
+               empty cell: no case of that group ran.
+    """
+    frame = _validated(frame)
+    accuracy = _accuracy_rows(frame)
+    layouts = accuracy.melt(id_vars=["impl", "tensor", "sqnr_db"], value_vars=list(LAYOUT_COLUMNS),
+                            var_name="operand", value_name="letter")
+    layouts = layouts.assign(layout=pd.Categorical(layouts["operand"].map(LAYOUT_COLUMNS) + ":" + layouts["letter"],
+                                                   categories=OPERAND_LAYOUTS))
+    return {
+        "overall": _overall(frame, parity_reference),
+        "by_k": _median_sqnr_by(accuracy.assign(K=pd.cut(accuracy["K"], K_BINS, labels=K_LABELS)), "K"),
+        "by_dist": _median_sqnr_by(accuracy, "dist"),
+        "by_layout": _median_sqnr_by(layouts, "layout"),
+        "by_dtype": _median_sqnr_by(accuracy.assign(dtypes=_dtype_label(accuracy)), "dtypes"),
+    }
+
+
+def _where(row) -> str:
+    return f"{row.case_id} {row.tensor} step {row.step}"
+
+
+def _describe_parity_loss(row) -> str:
+    if math.isnan(row.max_abs_err):
+        return f"{_where(row)}: not comparable (the shape differs: see the contract)"
+    if row.n_diff == 0:
+        return f"{_where(row)}: equal values in another dtype ({row.dtype})"
+    return (f"{_where(row)}: {row.n_diff:.0f} of {row.numel:.0f} elements differ, greatest abs diff "
+            f"{row.max_abs_err:.4g} at {row.max_abs_index}")
+
+
+def _findings(mine: pd.DataFrame, parity_reference: str) -> list[tuple[str, str, pd.DataFrame, Callable]]:
+    """What the candidate did wrong: (what, counted in, the rows that show it, one line of
+    evidence per row), for the kinds of problem that have rows."""
+    parity = mine[mine["reference"] == parity_reference]
+    compared = _ran(parity)
+
+    def flagged(column: str) -> pd.DataFrame:  # the candidate's own problems repeat per reference: once each
+        return mine[mine[column].fillna("") != ""].drop_duplicates(["case_id", "tensor", "step"])
+
+    findings = [
+        (f"differs from {parity_reference}", "comparison", compared[~compared["bitwise"].astype(bool)],
+         _describe_parity_loss),
+        ("crashed", "case", mine[mine["error"].notna()].drop_duplicates("case_id"),
+         lambda row: f"{row.case_id}: {row.error}"),
+        ("breaks nn.Linear's contract", "comparison", flagged("contract"),
+         lambda row: f"{_where(row)}: {row.contract}"),
+        ("makes _scaled_mm calls that would fail on an H100", "comparison", flagged("scaled_mm"),
+         lambda row: f"{_where(row)}: {row.scaled_mm}"),
+        (f"could not be compared because {parity_reference} raised", "comparison",
+         parity[parity["error"].isna() & parity["reference_error"].notna()],
+         lambda row: f"{_where(row)}: {row.reference_error}"),
+    ]
+    return [finding for finding in findings if len(finding[2])]
+
+
+def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl",
+            parity_reference: str = PARITY_REFERENCE) -> Verdict:
+    """PASS when `candidate` is bitwise equal to `parity_reference` in every comparison (case x
+    tensor x step), never raised, kept nn.Linear's contract and made no _scaled_mm call that
+    would fail on an H100; FAIL otherwise, naming the first failing cases. A comparison that
+    could not be made because the reference raised also fails: parity was not shown there.
+    NO VERDICT (ok=False) when the frame holds no comparison of the two."""
+    frame = _validated(frame)
+    mine = frame[frame["impl"] == candidate]
+    parity = mine[mine["reference"] == parity_reference]
+    if parity.empty:
+        return Verdict(False, f"NO VERDICT: the results hold no {candidate} rows against {parity_reference} "
+                              f"(implementations: {', '.join(sorted(frame['impl'].unique()))}; "
+                              f"references: {', '.join(sorted(frame['reference'].unique()))})")
+    sqnr = _overall(mine, parity_reference).loc[candidate].dropna(subset=["SQNR median (dB)"])
+    accuracy = ("SQNR vs fp64, median (p05): " + ", ".join(
+        f"{tensor} {row['SQNR median (dB)']:.1f} ({row['SQNR p05 (dB)']:.1f}) dB" for tensor, row in sqnr.iterrows())
+                if len(sqnr) else "no rows against fp64: accuracy not measured")
+    found = _findings(mine, parity_reference)
+    if not found:
+        output = f"; output SQNR vs fp64 median {sqnr.loc['output', 'SQNR median (dB)']:.1f} dB" \
+            if "output" in sqnr.index else ""
+        return Verdict(True, f"PASS: {candidate} is bitwise equal to {parity_reference} in {len(parity)}/"
+                             f"{len(parity)} comparisons ({_plural(parity['case_id'].nunique(), 'case')}, "
+                             f"{_plural(parity['tensor'].nunique(), 'tensor')}){output}",
+                       [accuracy, "no crash, no contract problem, no _scaled_mm call that would fail on an H100"])
+    phrases, details = [], []
+    for what, noun, rows, describe in found:
+        examples = ", ".join(row.case_id if noun == "case" else _where(row)
+                             for row in rows.head(EXAMPLES_IN_HEADLINE).itertuples())
+        more = ", ..." if len(rows) > EXAMPLES_IN_HEADLINE else ""
+        phrases.append(f"{what} in {_plural(len(rows), noun)} (first: {examples}{more})")
+        details += [f"{what}: {describe(row)}" for row in rows.head(DETAILS_PER_FINDING).itertuples()]
+        if len(rows) > DETAILS_PER_FINDING:
+            details.append(f"... and {len(rows) - DETAILS_PER_FINDING} more")
+    return Verdict(False, f"FAIL: {candidate} " + "; ".join(phrases), [*details, accuracy])
+
+
+_judge = verdict  # write_report's parameter `verdict` shadows the function
+
+
+def _env_line(env: Mapping) -> str:
+    return " · ".join(f"{key} {value}" for key, value in env.items() if value not in (None, ""))
+
+
+def _percent(value: float, decimals: int) -> str:
+    """A rate in % as text that never rounds a single difference up to 100."""
+    return "100" if value == 100 else f"{min(value, 100 - 10 ** -decimals):.{decimals}f}"
+
+
+def _cell(value, *, percent: bool) -> str:
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if not isinstance(value, float):
+        return str(value)
+    if percent:
+        return _percent(value, 2)
+    return f"{value:.2f}" if value == 0 or 0.1 <= abs(value) < 1e6 else f"{value:.3g}"  # inf stays "inf"
+
+
+def _displayed(table: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """The table as text (2 decimals or 3 significant digits, inf kept, missing blank) and the
+    alignment of its columns."""
+    table = table.reset_index() if any(name is not None for name in table.index.names) else table
+    align = ["right" if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype) else "left"
+             for dtype in table.dtypes]
+    text = pd.DataFrame({str(name): [_cell(v, percent=str(name).endswith("(%)")) for v in column]
+                         for name, column in table.items()})
+    return text, align
+
+
+def _plot_sqnr_vs_k(fig: Figure, frame: pd.DataFrame) -> None:
+    accuracy = _accuracy_rows(frame)
+    finite = accuracy[np.isfinite(accuracy["sqnr_db"])]
+    tensors = [t for t in TENSORS if t in set(finite["tensor"])]
+    styles = {impl: dict(color=f"C{i}", marker="osD^v<>p"[i % 8])  # a bitwise-equal pair overlaps exactly:
+              for i, impl in enumerate(sorted(finite["impl"].unique()))}  # thinner lines on top keep both visible
+    fig.set_size_inches(3.6 * len(tensors) + 1, 3.8)
+    axes = fig.subplots(1, len(tensors), sharey=True, squeeze=False)[0]
+    for ax, tensor in zip(axes, tensors):
+        for impl, rows in finite[finite["tensor"] == tensor].groupby("impl"):
+            ax.scatter(rows["K"], rows["sqnr_db"], s=6, alpha=0.25, color=styles[impl]["color"])
+            median = rows.groupby("K")["sqnr_db"].median()
+            ax.plot(median.index, median.to_numpy(), ms=4, lw=max(1.0, 3.0 - 0.5 * len(ax.lines)), label=impl,
+                    mfc="none", **styles[impl])
+        ax.set_xscale("log", base=2)
+        ax.set(title=tensor, xlabel="K")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("SQNR vs fp64 (dB)")
+    handles = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=len(handles), fontsize=8)
+    infinite = int(np.isinf(accuracy["sqnr_db"]).sum())
+    fig.suptitle(f"SQNR against fp64 by K: median per K (line), each case (dots); {_plural(infinite, 'row')} "
+                 f"with infinite SQNR (inf: bitwise equal to fp64) not drawn", fontsize=10)
+
+
+def _plot_parity_heatmap(fig: Figure, frame: pd.DataFrame, candidate: str, parity_reference: str) -> None:
+    rows = _ran(frame[(frame["impl"] == candidate) & (frame["reference"] == parity_reference)])
+    labelled = rows.assign(layout=_layout_label(rows), dtypes=_dtype_label(rows), bitwise=rows["bitwise"].astype(float))
+    rate = 100 * labelled.pivot_table(index="layout", columns="dtypes", values="bitwise", aggfunc="mean")
+    fig.set_size_inches(1.3 * rate.shape[1] + 3.5, 0.25 * rate.shape[0] + 1.8)
+    ax = fig.subplots()
+    image = ax.imshow(rate.to_numpy(dtype=float), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+    ax.set_xticks(range(rate.shape[1]), rate.columns, fontsize=8)
+    ax.set_yticks(range(rate.shape[0]), rate.index, fontsize=7, family="monospace")
+    for (i, j), value in np.ndenumerate(rate.to_numpy(dtype=float)):
+        if not math.isnan(value):
+            ax.text(j, i, f"{_percent(value, 1)}%", ha="center", va="center", fontsize=7)
+    fig.colorbar(image, ax=ax, label="bitwise equal (%)")
+    ax.set_title(f"{candidate} bitwise equal to {parity_reference}\n(layout: in/w/go; blank: not run)", fontsize=9)
+
+
+def _standard_plots(frame: pd.DataFrame, candidate: str, parity_reference: str) -> dict[str, Callable]:
+    """The built-in plots whose data the frame holds."""
+    plots = {}
+    if np.isfinite(_accuracy_rows(frame)["sqnr_db"]).any():
+        plots["sqnr_vs_k.png"] = partial(_plot_sqnr_vs_k, frame=frame)
+    if len(_ran(frame[(frame["impl"] == candidate) & (frame["reference"] == parity_reference)])):
+        plots["parity_heatmap.png"] = partial(_plot_parity_heatmap, frame=frame, candidate=candidate,
+                                              parity_reference=parity_reference)
+    return plots
+
+
+def _save_figure(path: Path, draw: Callable[[Figure], None]) -> Path:
+    fig = Figure(layout="constrained")
+    FigureCanvasAgg(fig)
+    draw(fig)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _markdown(title: str, judged: Verdict, env: Mapping, sections: list, images: list[Path]) -> str:
+    lines = [f"# {title}", "", f"**{judged.headline}**", "", _env_line(env), "", *(f"- {d}" for d in judged.details)]
+    for heading, note, table in sections:
+        lines += ["", f"## {heading}", ""] + ([note, ""] if note else [])
+        text, align = _displayed(table)
+        lines.append(text.to_markdown(index=False, disable_numparse=True, colalign=align) if len(text) else "(no rows)")
+    lines += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
+    return "\n".join(lines) + "\n"
+
+
+def _html(title: str, judged: Verdict, env: Mapping, sections: list, images: list[Path]) -> str:
+    e = html.escape
+    body = [f"<h1>{e(title)}</h1>", f'<p class="headline {"pass" if judged.ok else "fail"}">{e(judged.headline)}</p>',
+            f'<p class="env">{e(_env_line(env))}</p>', "<ul>", *(f"<li>{e(d)}</li>" for d in judged.details), "</ul>"]
+    for heading, note, table in sections:
+        body += [f"<h2>{e(heading)}</h2>"] + ([f'<p class="note">{e(note)}</p>'] if note else [])
+        text, _ = _displayed(table)
+        body.append(text.to_html(index=False, border=0) if len(text) else "<p>(no rows)</p>")
+    body += ["<h2>Plots</h2>", *(f'<p><img src="{e(i.name)}" alt="{e(i.stem)}" /></p>' for i in images)]
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8" />\n<title>{e(title)}</title>\n'
+            f"<style>\n{CSS}\n</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
+
+
+def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-parity report",
+                 candidate: str = "fp8_impl", parity_reference: str = PARITY_REFERENCE,
+                 verdict: Verdict | None = None, extra_tables: Mapping[str, pd.DataFrame] | None = None,
+                 plots: bool = True, extra_plots: Mapping[str, Callable[[Figure], None]] | None = None) -> list[Path]:
+    """Write the report of `frame` into `out_dir` (created) and return the paths written.
+
+    results.csv.gz  the full tidy table (tuples as text; read it back with read_results)
+    env.json        frame.attrs["env"]: versions, device, git commit
+    summary.md      title, the verdict's headline, the environment in one line, the evidence,
+                    then the tables (GitHub Markdown)
+    index.html      the same as a standalone page (inline CSS, no scripts, no external files)
+    *.png           with plots=True: sqnr_vs_k.png and parity_heatmap.png (where the frame
+                    has their data), then `extra_plots` (file name -> draw(fig)) in any case
+
+    `verdict` defaults to verdict(frame, candidate=..., parity_reference=...); pass your own to
+    headline another kind of report. `extra_tables` (heading -> table) follow the summary.
+    """
+    frame = _validated(frame)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    judged = verdict if verdict is not None else _judge(frame, candidate=candidate, parity_reference=parity_reference)
+    env = frame.attrs.get("env", {})
+    frame.to_csv(out / RESULTS_FILE, index=False, compression={"method": "gzip", "mtime": 0})
+    (out / ENV_FILE).write_text(json.dumps(env, indent=2, default=str) + "\n")
+    drawings = {**(_standard_plots(frame, candidate, parity_reference) if plots else {}), **(extra_plots or {})}
+    images = [_save_figure(out / name, draw) for name, draw in drawings.items()]
+    sections = [(*TABLE_HEADINGS[name], table)
+                for name, table in summary_tables(frame, parity_reference=parity_reference).items()]
+    sections += [(name, None, table) for name, table in (extra_tables or {}).items()]
+    (out / "summary.md").write_text(_markdown(title, judged, env, sections, images))
+    (out / "index.html").write_text(_html(title, judged, env, sections, images))
+    return [out / RESULTS_FILE, out / ENV_FILE, *images, out / "summary.md", out / "index.html"]
+
+
+def read_results(path: str | Path) -> pd.DataFrame:
+    """The results table from a report directory, or a .csv / .csv.gz / .parquet file (parquet
+    needs pyarrow), with attrs["env"] from the env.json beside it. Text stays text (case ids,
+    leading dims like "16"), empty contract/scaled_mm cells are "", index tuples stay strings."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no results file at {path}: give a report directory or a .csv/.csv.gz/.parquet file")
+    if path.suffix == ".parquet":
+        frame = pd.read_parquet(path)
+    else:  # round_trip parsing reads back exactly the floats that to_csv wrote
+        frame = pd.read_csv(path, dtype={c: "str" for c in TEXT_COLUMNS}, float_precision="round_trip")
+    text = {c: frame[c].fillna("") for c in ("contract", "scaled_mm") if c in frame}
+    flags = {c: frame[c].astype(bool) for c in ("bitwise", "bias") if c in frame}
+    frame = frame.assign(**text, **flags)
+    env_file = path.parent / ENV_FILE
+    if env_file.is_file():
+        frame.attrs["env"] = json.loads(env_file.read_text())
+    return frame
+
+
+CHANGES = ["lost bitwise parity", "started raising", "NaN/Inf count changed", "SQNR fell", "SQNR rose",
+           "gained bitwise parity", "stopped raising", "only in A", "only in B"]
+
+
+def _changes(rows: pd.DataFrame, change, a_value, b_value, delta=math.nan) -> pd.DataFrame:
+    return rows[KEY].assign(change=change, a_value=a_value, b_value=b_value, delta=delta)
+
+
+def diff_results(a: pd.DataFrame, b: pd.DataFrame, *, sqnr_tolerance_db: float = 0.1) -> pd.DataFrame:
+    """The rows of two result sets (two torch versions, two commits) whose metrics moved beyond
+    noise, one row per change, keyed by (case_id, impl, reference, tensor, step):
+
+    lost/gained bitwise parity; started/stopped raising (the implementation, or the reference:
+    "reference: ..."); NaN/Inf count changed (the candidate's non-finite elements); SQNR
+    fell/rose by more than `sqnr_tolerance_db`; only in A / only in B. Metrics are compared
+    where neither side raised. A key that repeats within a set (a case run twice) is one
+    measurement, since a case id fixes its data: its first row stands for it.
+
+    Why 0.1 dB: a case id fixes its data, so the same software gives identical metrics on a
+    rerun: any move is a change of the software, not sampling noise. 0.1 dB is ~2.3% in noise
+    power: far below the spread between recipes (several dB) yet above the rounding of a CSV
+    written with a few significant digits, so only real changes show.
+    """
+    columns = [*KEY, "bitwise", "sqnr_db", "nan", "inf", "raised"]
+    a, b = (frame.assign(raised=frame["error"].fillna("reference: " + frame["reference_error"]))[columns]
+            .drop_duplicates(KEY) for frame in (_validated(a), _validated(b)))
+    merged = a.merge(b, on=KEY, how="outer", suffixes=("_a", "_b"), indicator=True)
+    both = merged[merged["_merge"] == "both"]
+    raised_a, raised_b = both["raised_a"].notna(), both["raised_b"].notna()
+    raising = both[raised_a != raised_b]
+    ran = both[~raised_a & ~raised_b].assign(nonfinite_a=lambda r: (r["nan_a"] + r["inf_a"]).astype("Int64"),
+                                              nonfinite_b=lambda r: (r["nan_b"] + r["inf_b"]).astype("Int64"))
+    flipped = ran[ran["bitwise_a"].astype(bool) != ran["bitwise_b"].astype(bool)]
+    recounted = ran[ran["nonfinite_a"].ne(ran["nonfinite_b"]).fillna(True)  # missing on both sides: no metrics
+                    & (ran["nonfinite_a"].notna() | ran["nonfinite_b"].notna())]
+    moved = ran[(ran["sqnr_db_b"] - ran["sqnr_db_a"]).abs() > sqnr_tolerance_db]  # inf - inf is NaN: not moved
+    found = [
+        _changes(merged[merged["_merge"] == "left_only"], "only in A", None, None),
+        _changes(merged[merged["_merge"] == "right_only"], "only in B", None, None),
+        _changes(raising, np.where(raising["raised_b"].notna(), "started raising", "stopped raising"),
+                 raising["raised_a"], raising["raised_b"]),
+        _changes(flipped, np.where(flipped["bitwise_a"].astype(bool), "lost bitwise parity", "gained bitwise parity"),
+                 flipped["bitwise_a"], flipped["bitwise_b"]),
+        _changes(recounted, "NaN/Inf count changed", recounted["nonfinite_a"], recounted["nonfinite_b"],
+                 (recounted["nonfinite_b"] - recounted["nonfinite_a"]).astype("float64")),
+        _changes(moved, np.where(moved["sqnr_db_b"] < moved["sqnr_db_a"], "SQNR fell", "SQNR rose"),
+                 moved["sqnr_db_a"], moved["sqnr_db_b"], moved["sqnr_db_b"] - moved["sqnr_db_a"]),
+    ]
+    diff = pd.concat([f.astype({"a_value": object, "b_value": object}) for f in found], ignore_index=True)
+    diff = (diff.assign(change=pd.Categorical(diff["change"], categories=CHANGES))
+            .sort_values(["change", *KEY], ignore_index=True))
+    diff.attrs.update(rows_compared=len(both), sqnr_tolerance_db=sqnr_tolerance_db)
+    return diff
+
+
+def render_diff(diff: pd.DataFrame) -> str:
+    """A one-line summary (rows moved, by kind of change) and a compact text table of `diff`."""
+    compared, tolerance = diff.attrs.get("rows_compared", "?"), diff.attrs.get("sqnr_tolerance_db", "?")
+    scope = f"{compared} rows in both; SQNR tolerance {tolerance} dB"
+    if diff.empty:
+        return f"No row moved beyond noise ({scope}).\n"
+    counts = diff["change"].value_counts(sort=False)
+    counts = counts[counts > 0]
+    moved = diff[KEY].drop_duplicates().shape[0]
+    summary = (f"{_plural(moved, 'row')} moved beyond noise ({scope}): "
+               + ", ".join(f"{n} {change}" for change, n in counts.items()))
+    shown = diff.assign(**{c: diff[c].map(lambda v: str(v)[:60] if isinstance(v, str) else v)
+                           for c in ("a_value", "b_value")})
+    text, align = _displayed(shown)
+    return f"{summary}\n\n{text.to_markdown(index=False, tablefmt='simple', disable_numparse=True, colalign=align)}\n"

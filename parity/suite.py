@@ -1,0 +1,108 @@
+"""The property suite's shared state: which implementation runs against which reference where,
+how failures are reported, and the metric rows kept for `--parity-report`.
+
+conftest.py fills SUITE from the command line (`--impl`, `--against`, `--device`, `--case`);
+the tests draw cases from `SUITE.cases()` and report through `SUITE.fail`, so every failure
+ends with the case id, an assert_close-style metrics table and a one-line command that
+reruns exactly that case. Your own suite can use it the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+
+from parity.cases import Case, parse_case_id
+from parity.check import CheckPlan
+from parity.data import CaseData, make_data
+from parity.impls import Impl, load_impl
+from parity.metrics import describe_mismatch
+from parity.policy import Violation
+from parity.runner import run_case
+
+# Largest K, N and M the strategies draw, per hypothesis profile (the GPU affords larger shapes).
+MAX_DIM = {"dev": 128, "ci": 128, "gpu": 1024, "thorough": 512}
+
+
+class PropertyFailure(AssertionError):
+    """A property does not hold: the message carries the case, the evidence and the rerun command."""
+
+
+@dataclass
+class Suite:
+    impl_spec: str = "fp8_impl"
+    against_spec: str = "torchao:tensorwise"
+    device: str = "cpu"
+    case_id: str | None = None  # rerun exactly this case
+    max_dim: int = 128
+    rows: list[dict] = field(default_factory=list)  # every metric row computed, for --parity-report
+
+    @functools.cached_property
+    def candidate(self) -> Impl:
+        return load_impl(self.impl_spec)
+
+    @functools.cached_property
+    def reference(self) -> Impl:
+        return load_impl(self.against_spec)
+
+    @functools.cached_property
+    def plan(self) -> CheckPlan:
+        return CheckPlan.make(self.candidate, self.reference)
+
+    def cases(self, **constraints) -> st.SearchStrategy[Case]:
+        """Cases for a property: the one given with --case, else generated within `constraints`."""
+        if self.case_id:
+            return st.just(parse_case_id(self.case_id))
+        from parity.strategies import cases
+        constraints.setdefault("max_dim", self.max_dim)
+        constraints.setdefault("max_tokens", self.max_dim)
+        return cases(**constraints)
+
+    def data(self, case: Case) -> CaseData:
+        return make_data(case, self.device)
+
+    def run(self, case: Case, plan: CheckPlan | None = None) -> tuple[list[dict], list[Violation]]:
+        """Rows and violations of the candidate against the plan's references on `case`."""
+        plan = plan or self.plan
+        rows = run_case(case, plan.impls, plan.references, device=self.device)
+        self.rows.extend(rows)
+        return rows, plan.judge(rows)
+
+    def rerun_command(self, case: Case) -> str:
+        current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests").split(" ")[0]
+        parts = ["python", "-m", "pytest", current, "--impl", self.impl_spec, "--against", self.against_spec,
+                 "--device", self.device, "--case", case.id]
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def fail(self, title: str, case: Case, evidence: list[str]) -> None:
+        lines = [f"{title}", f"case: {case.id}", *evidence, "", "Rerun exactly this case:",
+                 f"  {self.rerun_command(case)}"]
+        raise PropertyFailure("\n".join(lines))
+
+    def assert_no_violations(self, title: str, case: Case, rows: list[dict], violations: list[Violation]) -> None:
+        if not violations:
+            return
+        by_key = {(r["case_id"], r["reference"], r["tensor"], r["step"]): r for r in rows}
+        evidence = []
+        for violation in violations:
+            evidence.append(f"[{violation.metric}] {violation.full_message}")
+            row = by_key.get((violation.case_id, violation.reference, violation.tensor, violation.step))
+            if row is not None and violation.metric in ("bitwise", "accumulation_bound", "sqnr_db"):
+                evidence.append("  " + describe_mismatch(row, allowed=str(violation.allowed)).replace("\n", "\n  "))
+        self.fail(title, case, evidence)
+
+
+SUITE = Suite()
+
+
+def configure(*, impl: str, against: str, device: str, case_id: str | None, profile: str) -> Suite:
+    """Point SUITE at an implementation (called by conftest.py once options are parsed)."""
+    SUITE.impl_spec, SUITE.against_spec, SUITE.device, SUITE.case_id = impl, against, device, case_id
+    SUITE.max_dim = MAX_DIM.get(profile, 128)
+    for cached in ("candidate", "reference", "plan"):
+        SUITE.__dict__.pop(cached, None)
+    return SUITE

@@ -1,0 +1,156 @@
+"""`fp8-parity sweep`: many implementations on a grid of named layer shapes plus a hypothesis
+sample of the case space, against float64 and torchao, collected into one results table.
+
+A preset is a description: which named shapes (nanochat and Llama 3 layers), how many tokens
+on each device (float64 references of a 32768-token layer do not fit a CPU's time), how many
+sampled cases and how large. The sample is drawn by hypothesis with derandomize=True, so a
+preset gives the same cases on every run and machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import pandas as pd
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+
+from parity.cases import Case, Dist, Layout, edge_cases
+from parity.env import environment
+from parity.impls import Impl
+from parity.runner import run_case
+from parity.strategies import cases as case_strategy
+
+DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16")
+DEFAULT_REFERENCES = ("fp64", "torchao:tensorwise")
+
+
+def nanochat_shapes(depth: int) -> list[tuple[str, int, int]]:
+    """nanochat's transformer at `depth`: model dim 64 x depth, attention projections, MLP 4x."""
+    dim = 64 * depth
+    return [(f"nanochat-d{depth} attn.qkvo", dim, dim), (f"nanochat-d{depth} mlp.fc", dim, 4 * dim),
+            (f"nanochat-d{depth} mlp.proj", 4 * dim, dim)]
+
+
+def llama3_shapes(size: str) -> list[tuple[str, int, int]]:
+    """Llama 3 layer shapes (8B: dim 4096, FFN 14336; 70B: dim 8192, FFN 28672; 8 KV heads of 128)."""
+    dim, ffn = {"8b": (4096, 14336), "70b": (8192, 28672)}[size]
+    return [(f"llama3-{size} attn.qo", dim, dim), (f"llama3-{size} attn.kv", dim, 1024),
+            (f"llama3-{size} mlp.up", dim, ffn), (f"llama3-{size} mlp.down", ffn, dim)]
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    named_shapes: tuple[tuple[str, int, int], ...]  # (label, K, N)
+    tokens: dict  # device type -> M for the named shapes
+    samples: int  # hypothesis-sampled cases
+    max_dim: int  # largest K, N, M of the sample
+    variants: tuple[dict, ...] = ({},)  # Case fields each named shape is also run with
+
+    def cases(self, device_type: str, *, seed: int = 0) -> list[tuple[str, Case]]:
+        """(label, case) for every named shape x variant, then the hypothesis sample."""
+        M = self.tokens.get(device_type, self.tokens["cpu"])
+        named = [(label, Case(lead=(M,), K=K, N=N, seed=seed).replace(**variant))
+                 for label, K, N in self.named_shapes for variant in self.variants]
+        sampled = [("edge case", case) for case in edge_cases(seed=seed)]
+        sampled += [("sampled", case) for case in sample_cases(self.samples, max_dim=self.max_dim, seed=seed)]
+        return named + sampled
+
+
+_VARIANTS = ({}, {"input_layout": Layout.TRANSPOSED}, {"input_dtype": "fp32", "weight_dtype": "fp32", "bias": True},
+             {"dist": Dist.OUTLIER})
+PRESETS = {
+    "quick": Preset("quick", "small layers of nanochat-d20 and Llama-3-8B shapes, and 120 sampled cases",
+                    (*nanochat_shapes(20), *llama3_shapes("8b")[:2]), {"cpu": 64, "cuda": 1024}, 120, 256),
+    "full": Preset("full", "nanochat d20/d26/d32 and Llama 3 8B/70B layers in four variants, 1000 sampled cases",
+                   (*nanochat_shapes(20), *nanochat_shapes(26), *nanochat_shapes(32), *llama3_shapes("8b"),
+                    *llama3_shapes("70b")), {"cpu": 64, "cuda": 2048}, 1000, 1024, _VARIANTS),
+    "nanochat": Preset("nanochat", "nanochat d20/d26/d32 layers in four variants", (
+        *nanochat_shapes(20), *nanochat_shapes(26), *nanochat_shapes(32)), {"cpu": 128, "cuda": 8192}, 60, 512,
+        _VARIANTS),
+    "llama": Preset("llama", "Llama 3 8B and 70B layers in four variants",
+                    (*llama3_shapes("8b"), *llama3_shapes("70b")), {"cpu": 32, "cuda": 4096}, 60, 512, _VARIANTS),
+}
+
+
+def sample_cases(count: int, *, max_dim: int = 256, seed: int = 0) -> list[Case]:
+    """`count` distinct cases drawn by hypothesis (derandomized: the same list every time)."""
+    drawn: list[Case] = []
+    if count <= 0:
+        return drawn
+
+    @settings(max_examples=count, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=case_strategy(max_dim=max_dim, max_tokens=max_dim))
+    def collect(case):
+        drawn.append(case.replace(seed=case.seed + seed))
+
+    collect()
+    unique = list(dict.fromkeys(drawn))
+    return unique[:count]
+
+
+def run_sweep(labelled_cases: Sequence[tuple[str, Case]], impls: Sequence[Impl], references: Sequence[Impl], *,
+              device: str, progress: Callable[[int, int, float], None] | None = None) -> pd.DataFrame:
+    """All cases -> one tidy DataFrame (column `shape` holds the named shape or 'sampled')."""
+    records, start = [], time.perf_counter()
+    for index, (label, case) in enumerate(labelled_cases):
+        for row in run_case(case, impls, references, device=device):
+            row["shape"] = label
+            records.append(row)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # large named shapes would otherwise pile up cached blocks
+        if progress is not None:
+            progress(index + 1, len(labelled_cases), time.perf_counter() - start)
+    frame = pd.DataFrame.from_records(records)
+    frame.attrs["env"] = environment(device)
+    frame.attrs["env"]["seconds"] = round(time.perf_counter() - start, 1)
+    return frame
+
+
+def named_shape_table(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> pd.DataFrame:
+    """Per named shape and tensor: the candidate's SQNR vs fp64 and parity with torchao tensorwise."""
+    named = frame[(frame["shape"] != "sampled") & (frame["shape"] != "edge case") & (frame["impl"] == candidate)]
+    if named.empty:
+        return pd.DataFrame()
+    sqnr = named[named["reference"] == "fp64"].groupby(["shape", "tensor"], sort=False)["sqnr_db"].median()
+    parity = named[named["reference"] == "torchao:tensorwise"].groupby(["shape", "tensor"], sort=False)["bitwise"]
+    return pd.DataFrame({"median SQNR vs fp64 (dB)": sqnr.round(2),
+                         "bitwise parity with torchao (%)": parity.mean().mul(100).round(1)}).reset_index()
+
+
+def _sweep_worker(index: int, devices: list[str], labelled_cases, impl_names, reference_names, out_dir: str) -> None:
+    """One process of a sharded sweep: its share of the cases on its device, to a pickle."""
+    from parity.impls import load_impl
+    from parity.sharding import shard
+    device = devices[index]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, torch.get_num_threads() // len(devices)))
+    frame = run_sweep(shard(labelled_cases, index, len(devices)), [load_impl(n) for n in impl_names],
+                      [load_impl(n) for n in reference_names], device=device)
+    frame.to_pickle(f"{out_dir}/shard{index}.pkl")
+
+
+def run_sweep_sharded(labelled_cases: Sequence[tuple[str, Case]], impl_names: Sequence[str],
+                      reference_names: Sequence[str], *, devices: Sequence[str]) -> pd.DataFrame:
+    """The sweep split round-robin over `devices` (one process each), merged into one table.
+
+    Implementations travel by name (a function loaded from a file does not pickle), and each
+    worker builds its own; the merged table has a column `gpu` naming the device of each row.
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from parity.sharding import merge_frames
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_sweep_worker, args=(list(devices), list(labelled_cases), list(impl_names),
+                                                list(reference_names), out_dir),
+                           nprocs=len(devices), join=True, start_method="spawn")
+        frames = {f"{device}#{i}": pd.read_pickle(f"{out_dir}/shard{i}.pkl") for i, device in enumerate(devices)}
+    return merge_frames(frames)

@@ -1,0 +1,185 @@
+"""parity.report: the files of a report, the verdict, reading results back, and diffs."""
+
+from __future__ import annotations
+
+import math
+import re
+import xml.etree.ElementTree as ElementTree
+
+import pandas as pd
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from matplotlib.image import imread
+
+from parity.cases import Case
+from parity.impls import load_impl
+from parity.report import KEY, diff_results, read_results, render_diff, summary_tables, verdict, write_report
+from parity.runner import run_cases
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PARITY = "torchao:tensorwise"
+
+
+@pytest.fixture(scope="module")
+def results() -> pd.DataFrame:
+    """fp8_impl and bf16 against fp64 and torchao's tensorwise recipe on two tiny cases, one of
+    them all zeros (SQNR = inf against fp64) with a bias and a transposed input."""
+    cases = [Case(lead=(16,), K=16, N=16),
+             Case(lead=(2, 8), K=32, N=16, bias=True, input_layout="T", dist="zeros")]
+    return run_cases(cases, [load_impl("fp8_impl"), load_impl("bf16")], [load_impl("fp64"), load_impl(PARITY)])
+
+
+@pytest.fixture(scope="module")
+def report(results, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    return out, write_report(results, out, title="tiny report")
+
+
+def parity_rows(frame: pd.DataFrame) -> pd.Series:
+    return (frame["impl"] == "fp8_impl") & (frame["reference"] == PARITY)
+
+
+def test_every_file_is_written_and_not_empty(report):
+    out, paths = report
+    assert {p.name for p in paths} == {"results.csv.gz", "env.json", "summary.md", "index.html", "sqnr_vs_k.png",
+                                       "parity_heatmap.png"}
+    assert all(p.parent == out and p.stat().st_size > 0 for p in paths)
+
+
+def test_plots_are_valid_pngs(report):
+    out, _ = report
+    for name in ("sqnr_vs_k.png", "parity_heatmap.png"):
+        assert (out / name).read_bytes().startswith(PNG_SIGNATURE)
+        height, width, _ = imread(out / name).shape
+        assert height > 100 and width > 100
+
+
+def test_summary_md_opens_with_the_title_then_the_verdict(report, results):
+    out, _ = report
+    lines = [line for line in (out / "summary.md").read_text().splitlines() if line]
+    assert lines[0] == "# tiny report"
+    assert lines[1] == f"**{verdict(results).headline}**" and lines[1].startswith("**PASS: fp8_impl")
+    assert "torch " in lines[2]  # the environment, in one line
+    assert "![sqnr_vs_k](sqnr_vs_k.png)" in lines
+
+
+def test_index_html_is_well_formed_and_standalone(report):
+    out, _ = report
+    page = (out / "index.html").read_text()
+    root = ElementTree.fromstring(page.removeprefix("<!DOCTYPE html>\n"))  # raises if not well-formed
+    assert root.find("head/style") is not None and len(root.findall(".//table")) == 5
+    assert {img.get("src") for img in root.iter("img")} == {"sqnr_vs_k.png", "parity_heatmap.png"}
+    assert "<script" not in page and "http" not in page
+
+
+def test_inf_sqnr_is_kept_and_shown_as_inf(results, report):
+    tables = summary_tables(results)
+    assert (tables["by_dist"]["zeros"] == math.inf).all()  # all-zero data: exact against fp64
+    assert not tables["overall"].filter(like="SQNR").isna().any().any()
+    out, _ = report
+    assert re.search(r"\|\s+inf \|", (out / "summary.md").read_text())
+
+
+@pytest.mark.parametrize("where", ["directory", "file"])
+def test_read_results_round_trips(report, results, where):
+    out, _ = report
+    frame = read_results(out if where == "directory" else out / "results.csv.gz")
+    before, after = summary_tables(results), summary_tables(frame)
+    assert before.keys() == after.keys()
+    for name in before:
+        pd.testing.assert_frame_equal(before[name], after[name])
+    assert verdict(frame) == verdict(results)
+    assert frame.attrs["env"] == results.attrs["env"]
+    assert frame["bitwise"].dtype == bool and frame["case_id"].tolist() == results["case_id"].tolist()
+    assert diff_results(results, frame).empty
+
+
+def test_extra_tables_and_plots_go_through_the_same_writer(results, tmp_path):
+    bench = pd.DataFrame({"shape": ["16x16x16"], "ms": [0.125]})
+    paths = write_report(results, tmp_path, plots=False, extra_tables={"Benchmark": bench},
+                         extra_plots={"bench.png": lambda fig: fig.subplots().plot([1, 2], [3, 4])})
+    assert [p.name for p in paths if p.suffix == ".png"] == ["bench.png"]
+    assert "## Benchmark" in (tmp_path / "summary.md").read_text()
+    assert '<img src="bench.png"' in (tmp_path / "index.html").read_text()
+
+
+def test_verdict_passes_when_every_comparison_is_bitwise_equal(results):
+    judged = verdict(results)
+    assert judged.ok and judged.headline.startswith(f"PASS: fp8_impl is bitwise equal to {PARITY} in 7/7")
+    assert "output SQNR vs fp64 median" in judged.headline
+
+
+@pytest.mark.parametrize(("column", "value", "phrase"), [
+    ("bitwise", False, f"differs from {PARITY} in 1 comparison"),
+    ("error", "step 0: forward: RuntimeError: boom", "crashed in 1 case"),
+    ("contract", "output dtype is float32, nn.Linear gives bfloat16", "breaks nn.Linear's contract in 1 comparison"),
+    ("scaled_mm", "would fail on H100: output GEMM: mat2 is not column-major", "would fail on an H100 in 1"),
+    ("reference_error", "step 0: forward: RuntimeError: boom", "could not be compared"),
+])
+def test_verdict_fails_on_one_bad_row(results, column, value, phrase):
+    frame = results.copy()
+    bad = frame.index[parity_rows(frame)][1]
+    frame[column] = frame[column].astype(object)
+    frame.loc[bad, column] = value
+    judged = verdict(frame)
+    assert not judged.ok and judged.headline.startswith("FAIL: fp8_impl ")
+    assert phrase in judged.headline and frame.loc[bad, "case_id"] in judged.headline
+    assert any(frame.loc[bad, "case_id"] in line for line in judged.details)
+
+
+def test_verdict_without_the_comparison_says_so(results):
+    judged = verdict(results, candidate="torchao:rowwise")
+    assert not judged.ok and judged.headline.startswith("NO VERDICT")
+
+
+def test_diff_finds_planted_moves_and_ignores_noise(results):
+    b = results.copy()
+    finite = b.index[(b["reference"] == "fp64") & b["sqnr_db"].map(math.isfinite)]
+    moved, noise = finite[0], finite[1]
+    flipped = b.index[parity_rows(b) & b["bitwise"]][0]
+    dropped, raising = b.index[b["reference"] == "fp64"][-1], finite[2]
+    b.loc[moved, "sqnr_db"] += 1.0
+    b.loc[noise, "sqnr_db"] += 0.01
+    b.loc[flipped, "bitwise"] = False
+    b["error"] = b["error"].astype(object)
+    b.loc[raising, "error"] = "step 0: forward: RuntimeError: boom"
+    diff = diff_results(results, b.drop(index=dropped))
+    key = lambda i: tuple(results.loc[i, KEY])  # noqa: E731
+    found = {tuple(row[KEY]): row["change"] for _, row in diff.iterrows()}
+    assert found == {key(moved): "SQNR rose", key(flipped): "lost bitwise parity", key(dropped): "only in A",
+                     key(raising): "started raising"}
+    assert diff.loc[diff["change"] == "SQNR rose", "delta"].item() == pytest.approx(1.0)
+    summary = render_diff(diff).splitlines()[0]
+    assert summary.startswith("4 rows moved beyond noise") and "1 lost bitwise parity" in summary
+
+
+def test_identical_results_do_not_differ(results):
+    diff = diff_results(results, results.copy())
+    assert diff.empty and render_diff(diff).startswith("No row moved beyond noise")
+
+
+@pytest.mark.parametrize("call", [summary_tables, verdict, lambda f: write_report(f, "/nonexistent/never"),
+                                  lambda f: diff_results(f, f)])
+def test_an_empty_frame_is_a_clear_value_error(results, call):
+    with pytest.raises(ValueError, match="results table is empty"):
+        call(results.iloc[:0])
+    with pytest.raises(ValueError, match="results table is empty"):
+        call(pd.DataFrame())
+
+
+def test_a_frame_of_another_kind_is_a_clear_value_error():
+    with pytest.raises(ValueError, match="lacks the columns"):
+        summary_tables(pd.DataFrame({"case_id": ["x"]}))
+
+
+@given(st.lists(st.sampled_from([math.inf, 0.5, 12.0, 24.6, 28.5, 30.25]) | st.floats(-10, 200), min_size=1,
+                max_size=30))
+def test_sqnr_statistics_are_measured_values_in_order(results, values):
+    template = results[results["reference"] == "fp64"].iloc[[0]]
+    frame = pd.concat([template] * len(values), ignore_index=True).assign(
+        case_id=[f"case{i}" for i in range(len(values))], sqnr_db=values)
+    row = summary_tables(frame)["overall"].iloc[0]
+    median, p05, low = row["SQNR median (dB)"], row["SQNR p05 (dB)"], row["SQNR min (dB)"]
+    assert {median, p05, low} <= set(values)  # order statistics: never an interpolated inf - inf = NaN
+    assert low <= p05 <= median and low == min(values)

@@ -1,0 +1,63 @@
+"""`fp8-parity sweep`, `report` and `diff` end to end, and the sweep's case presets."""
+
+from __future__ import annotations
+
+import gzip
+
+import pandas as pd
+
+from parity.cli import main
+from parity.sweep import PRESETS, llama3_shapes, nanochat_shapes, sample_cases
+
+
+def test_presets_name_real_layer_shapes():
+    assert ("nanochat-d20 mlp.fc", 1280, 5120) in nanochat_shapes(20)
+    assert ("llama3-70b mlp.down", 28672, 8192) in llama3_shapes("70b")
+    quick = PRESETS["quick"].cases("cpu")
+    assert len(quick) == len({case for _, case in quick}) > 100  # distinct cases
+    assert all(case.M == 64 for label, case in quick if label.startswith(("nanochat", "llama")))
+
+
+def test_sample_is_deterministic():
+    assert sample_cases(20, seed=3) == sample_cases(20, seed=3)
+    assert len(set(sample_cases(20))) == 20
+
+
+def test_sweep_writes_a_report_and_reports_round_trip(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--preset", "quick", "--samples", "2", "--device", "cpu", "--quiet", "--out", str(out),
+                 "--impl", "fp8_impl", "--impl", "torchao:rowwise"])
+    text = capsys.readouterr().out
+    assert code == 0 and text.startswith("PASS: fp8_impl is bitwise equal to torchao:tensorwise")
+    summary = (out / "summary.md").read_text()
+    assert "PASS: fp8_impl" in summary.splitlines()[2] and "by named shape" in summary
+    with gzip.open(out / "results.csv.gz", "rt") as f:
+        table = pd.read_csv(f)
+    assert set(table["impl"]) == {"fp8_impl", "torchao:rowwise"}
+    assert set(table["reference"]) == {"fp64", "torchao:tensorwise"}
+    assert {"nanochat-d20 mlp.fc", "sampled", "edge case"} <= set(table["shape"])
+
+    assert main(["report", str(out), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "index.html").exists()
+    assert main(["diff", str(out), str(tmp_path / "again")]) == 0
+    assert "No row moved beyond noise" in capsys.readouterr().out
+
+
+def test_sweep_exits_1_when_the_candidate_loses_parity(tmp_path, capsys):
+    code = main(["sweep", "--preset", "quick", "--samples", "0", "--device", "cpu", "--quiet", "--out",
+                 str(tmp_path), "--impl", "property_tests/mutants.py:weight_scale_bf16"])
+    assert code == 1 and capsys.readouterr().out.startswith("FAIL")
+
+
+def test_sharded_sweep_equals_one_worker():
+    """`--gpus N` splits cases round-robin over N processes: same rows as one process (here 2 CPU workers)."""
+    from parity.cases import Case
+    from parity.impls import load_impl
+    from parity.sweep import run_sweep, run_sweep_sharded
+    labelled = [("sampled", Case(lead=(16,), K=16 * k, N=32, seed=k)) for k in range(1, 4)]
+    one = run_sweep(labelled, [load_impl("fp8_impl")], [load_impl("fp64")], device="cpu")
+    two = run_sweep_sharded(labelled, ["fp8_impl"], ["fp64"], devices=["cpu", "cpu"])
+    key = ["case_id", "tensor", "step"]
+    one, two = one.sort_values(key).reset_index(drop=True), two.sort_values(key).reset_index(drop=True)
+    assert two["gpu"].nunique() == 2 and len(one) == len(two)
+    pd.testing.assert_series_equal(one["sqnr_db"], two["sqnr_db"])
