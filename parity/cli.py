@@ -86,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0)
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    bisect = commands.add_parser("bisect", help="localize a failing implementation: GEMM, operand, bug class, trigger",
+                                 description="Find a minimal failing case and localize the bug: which GEMM, which "
+                                             "operand, which bug class, under which conditions, with evidence. "
+                                             "With --git GOOD BAD: the first bad commit of a repository.")
+    _impl_arg(bisect, default=None, help_prefix="implementation to localize")
+    bisect.add_argument("--against", default="torchao:tensorwise", metavar="REF", help="reference (default torchao)")
+    _common(bisect)
+    bisect.add_argument("--case", default=None, metavar="CASE_ID", help="localize on this failing case")
+    bisect.add_argument("--max-examples", type=int, default=100, help="search budget for a failing case")
+    bisect.add_argument("--git", nargs=2, metavar=("GOOD", "BAD"), default=None,
+                        help="git bisect the repository in the current directory between two commits, with "
+                             "`fp8-parity check --impl IMPL` as the test")
+    bisect.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the result as JSON")
+
     report = commands.add_parser("report", help="re-render a report from a stored results table")
     report.add_argument("results", type=Path, help="results.csv.gz (or .csv/.parquet) or a report directory")
     report.add_argument("--out", type=Path, default=None, help="report directory (default: next to RESULTS)")
@@ -172,6 +186,32 @@ def cmd_sweep(args) -> int:
     return EXIT_PASS if judged.ok else EXIT_FAIL
 
 
+def cmd_bisect(args) -> int:
+    from parity.check import CheckPlan, resolve_device
+
+    device, reason = resolve_device(args.device)
+    if device is None:
+        print(f"fp8-parity bisect: cannot run here: {reason}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    if args.git:
+        from parity.history import git_bisect
+        found = git_bisect(args.git[0], args.git[1], impl=args.impl, against=args.against, device=device,
+                           max_examples=args.max_examples)
+        print(found.render(), end="")
+        if args.json:
+            args.json.write_text(json.dumps(found.to_json(), indent=2) + "\n")
+        return EXIT_FAIL if found.first_bad else EXIT_PASS
+    from parity.bisect import localize, render
+    plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe), load_impl(args.against))
+    result = localize(plan, device=device, case=parse_case_id(args.case) if args.case else None,
+                      max_examples=args.max_examples)
+    print(render(result), end="")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
+
+
 def cmd_report(args) -> int:
     from parity.report import verdict, write_report
 
@@ -229,7 +269,7 @@ def cmd_check(args) -> int:
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
 
 
-COMMANDS = {"check": cmd_check, "sweep": cmd_sweep, "report": cmd_report, "diff": cmd_diff}
+COMMANDS = {"check": cmd_check, "sweep": cmd_sweep, "bisect": cmd_bisect, "report": cmd_report, "diff": cmd_diff}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -243,8 +244,16 @@ def detect_form(target: Any) -> Form:
                     f"arguments; {FORM_HELP} (or pass --form)")
 
 
+def _prefer_impl_path() -> None:
+    """FP8_PARITY_IMPL_PATH (set by `bisect --git`) puts an implementation's checkout first on sys.path."""
+    for path in reversed([p for p in os.environ.get("FP8_PARITY_IMPL_PATH", "").split(os.pathsep) if p]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
 def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | None = None) -> Impl:
     """The implementation named by `spec` (a built-in, `module:attr` or `file.py:attr`)."""
+    _prefer_impl_path()
     spec = spec.strip()
     if spec in BUILTINS:
         impl = BUILTINS[spec]()

@@ -60,14 +60,24 @@ class Quantized:
         return self.values * self.inv_scale
 
 
-def quantize(x: torch.Tensor, fp8_dtype: torch.dtype) -> Quantized:
-    """Tensorwise dynamic scaling, emulated in float64."""
+def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, *, absolute_amax: bool = True,
+             scale_dtype: torch.dtype = torch.float32, target_max: float | None = None,
+             clamp_max: float | None = None, inverse_scale: bool = True) -> Quantized:
+    """Tensorwise dynamic scaling, emulated in float64.
+
+    The keyword arguments describe *wrong* quantizations, for parity.bisect's "nearest wrong
+    oracle": amax without abs, a scale rounded to bf16, a scale aimed at another format's max,
+    a clamp at another bound, or the scale handed to the GEMM instead of its inverse.
+    """
     fmt = FORMATS[fp8_dtype]
-    amax = x.abs().max().to(torch.float64)
-    scale = (fmt.max / torch.clamp(amax, min=EPS)).to(torch.float32)
+    amax = (x.abs() if absolute_amax else x).max().to(torch.float64)
+    scale = ((target_max or fmt.max) / torch.clamp(amax, min=EPS)).to(torch.float32)
+    scale = scale.to(scale_dtype).to(torch.float32)
     scaled = (x.to(torch.float64) * scale.to(torch.float64)).to(torch.float32)  # one fp32 rounding
-    saturated = scaled.to(torch.float64).clamp(-fmt.max, fmt.max)
-    return Quantized(round_to_fp8_grid(saturated, fp8_dtype), scale.reciprocal().to(torch.float64), fp8_dtype)
+    bound = min(fmt.max, clamp_max or fmt.max)
+    saturated = scaled.to(torch.float64).clamp(-bound, bound)
+    handed = scale.reciprocal() if inverse_scale else scale
+    return Quantized(round_to_fp8_grid(saturated, fp8_dtype), handed.to(torch.float64), fp8_dtype)
 
 
 def gemm(a: Quantized, b: Quantized, *, transpose_a: bool = False, transpose_b: bool = False) -> torch.Tensor:

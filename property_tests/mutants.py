@@ -52,8 +52,9 @@ MUTANTS = [
     Mutant("grad_weight_b_row_major", "layout", ("grad_weight",), "input", "on the GPU",
            "passes the input to the grad_weight GEMM row-major: cuBLASLt on SM90 rejects it; CPUs run it",
            gpu_only=True),
-    Mutant("amax_without_abs", "scale", ("output", "grad_weight"), "input", "negative-dominant data",
-           "input amax = max(x) instead of max(|x|): wrong when the largest magnitude is negative"),
+    Mutant("amax_without_abs", "scale", ("output", "grad_weight"), "input", None,
+           "input amax = max(x) instead of max(|x|): wrong whenever the largest magnitude is negative "
+           "(most cases: no single condition triggers it)"),
     Mutant("scale_not_inverted", "scale", ("grad_input", "grad_weight"), "grad_output", None,
            "hands _scaled_mm the grad_output scale instead of its inverse"),
     Mutant("weight_scale_bf16", "scale", ("output", "grad_input"), "weight", None,

@@ -1,0 +1,134 @@
+"""`fp8-parity bisect`: every mutant of the zoo is detected, and localized to its GEMM, operand,
+bug class and trigger; `--git` finds the first bad commit of a repository."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+
+import pytest
+
+from parity.bisect import WRONG_ORACLES, localize
+from parity.cases import Case
+from parity.check import CheckPlan, run_check
+from parity.cli import main
+from parity.impls import load_impl
+from parity.policy import Policy
+from property_tests.mutants import MUTANTS
+
+TORCHAO = "torchao:tensorwise"
+CPU_MUTANTS = [m for m in MUTANTS if not m.gpu_only]
+GPU_MUTANTS = [m for m in MUTANTS if m.gpu_only and m.category == "accumulation"]  # the layout one shows on CPU too
+
+
+def plan_for(mutant) -> CheckPlan:
+    return CheckPlan.make(load_impl(mutant.spec), load_impl(TORCHAO))
+
+
+def assert_localized(result, mutant):
+    summary = (f"{mutant.name}: got class {result.category}, gemm {result.gemm}, operand {result.operand}, "
+               f"trigger {result.trigger}; evidence {result.evidence}")
+    assert result.verdict == "fail", summary
+    assert result.category == mutant.category, summary
+    assert sorted(result.gemm) == sorted(mutant.gemms), summary
+    assert result.operand == mutant.operand, summary
+    if mutant.trigger:
+        assert any(mutant.trigger in trigger for trigger in result.trigger), summary
+
+
+@pytest.mark.parametrize("mutant", CPU_MUTANTS, ids=lambda m: m.name)
+def test_check_kills_and_bisect_localizes_every_mutant(mutant):
+    assert_localized(localize(plan_for(mutant), max_examples=60), mutant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutant", GPU_MUTANTS, ids=lambda m: m.name)
+def test_gpu_only_mutants(mutant):
+    assert_localized(localize(plan_for(mutant), device="cuda", max_examples=60), mutant)
+
+
+def test_gpu_only_mutants_pass_on_the_cpu():
+    """Fast accumulation is a GPU feature: on the CPU the mutant is indistinguishable (documented, not a miss)."""
+    for mutant in [m for m in MUTANTS if m.gpu_only and m.category == "accumulation"]:
+        assert run_check(plan_for(mutant), max_examples=10).verdict == "pass"
+
+
+def test_zoo_covers_every_bug_class():
+    classes = {"transpose", "layout", "scale", "fp8_dtype", "saturation", "accumulation", "contract", "stale_state",
+               "crash"}
+    assert {m.category for m in MUTANTS} == classes and len(MUTANTS) >= 12
+    assert {o.category for o in WRONG_ORACLES} <= classes
+
+
+def test_the_three_trigger_bugs_are_reported_with_their_trigger():
+    """Non-contiguous input only; K == N only; from the second call only (the issue's done-when)."""
+    expected = {"input_strides_ignored": "only with non-contiguous input", "weight_transposed_if_square":
+                "only when K == N", "cached_weight": "only from the second call"}
+    for mutant in [m for m in MUTANTS if m.name in expected]:
+        result = localize(plan_for(mutant), max_examples=60)
+        assert any(t.startswith(expected[mutant.name]) for t in result.trigger), result.trigger
+
+
+def test_correct_implementation_has_nothing_to_localize(capsys):
+    assert main(["bisect", "--impl", "property_tests/mutants.py:correct", "--max-examples", "10",
+                 "--device", "cpu"]) == 0
+    assert "nothing to localize" in capsys.readouterr().out
+
+
+def test_bisect_json_schema(tmp_path):
+    out = tmp_path / "bisect.json"
+    assert main(["bisect", "--impl", "property_tests/mutants.py:weight_e5m2", "--device", "cpu",
+                 "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert {"verdict", "gemm", "operand", "category", "trigger", "minimal_case", "evidence"} <= set(result)
+    assert result["category"] == "fp8_dtype" and result["gemm"] == ["output", "grad_input"]
+    assert any("weight quantized to e5m2" in line for line in result["evidence"])
+
+
+def test_accumulation_policy_separates_rounding_from_bugs():
+    """grad_weight_fp32_out differs bitwise from torchao but stays within the accumulation bound
+    (bf16 input: its grad_weight does not overflow fp16 on the way, as torchao's would)."""
+    mutant = next(m for m in MUTANTS if m.name == "grad_weight_fp32_out")
+    cases = [Case(lead=(64,), K=128, N=48, weight_dtype="fp32", dist=dist, seed=seed)
+             for dist in ("normal", "heavy", "outlier") for seed in range(3)]
+    versus_torchao = run_check(plan_for(mutant), cases=cases)
+    versus_emulation = run_check(CheckPlan.make(load_impl(mutant.spec), load_impl("emulated")), cases=cases)
+    assert versus_torchao.verdict == "fail" and versus_emulation.plan.policy is Policy.ACCUMULATION
+    assert versus_emulation.verdict == "pass"
+
+
+# ---- git history --------------------------------------------------------------------------------------
+
+def _commit(repo, message, body):
+    (repo / "my_fp8.py").write_text(textwrap.dedent(body))
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], cwd=repo, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+
+def test_git_bisect_names_the_first_bad_commit(tmp_path, monkeypatch, capsys):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    good = _commit(repo, "fp8 matmul", "from fp8_impl import float8_matmul as matmul\n")
+    _commit(repo, "docs", "# a correct FP8 matmul\nfrom fp8_impl import float8_matmul as matmul\n")
+    first_bad = _commit(repo, "return the output in float32", """
+        from fp8_impl import float8_matmul
+        def matmul(input_2d, weight):
+            return float8_matmul(input_2d, weight).float()
+    """)
+    bad = _commit(repo, "more work", """
+        from fp8_impl import float8_matmul
+        def matmul(input_2d, weight):  # still returns float32
+            return float8_matmul(input_2d, weight).float()
+    """)
+    monkeypatch.chdir(repo)
+    out = tmp_path / "history.json"
+    assert main(["bisect", "--git", good, bad, "--impl", "my_fp8.py:matmul", "--max-examples", "3", "--device", "cpu",
+                 "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["first_bad"] == first_bad
+    assert "return the output in float32" in capsys.readouterr().out
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
+    assert status == "" and "worktree" not in subprocess.run(["git", "worktree", "list"], cwd=repo,
+                                                             capture_output=True, text=True).stdout.split("\n")[1:]

@@ -1,0 +1,80 @@
+"""Detection and localization rates on the mutant zoo, beside torchao-style SQNR thresholds.
+
+    python -m property_tests.zoo_rates [--device cuda] [--markdown]
+
+For every mutant: does `fp8-parity check` kill it, does `fp8-parity bisect` name its GEMM,
+operand, class and trigger, and does a torchao-style accuracy test catch it (output SQNR
+>= 18 dB and grad_weight SQNR >= 17 dB against a bf16 nn.Linear(16, 32) on a 16x16 input,
+as torchao's own float8 tests assert)? The README quotes its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+from parity.bisect import localize
+from parity.check import CheckPlan, run_check
+from parity.impls import load_impl
+from parity.metrics import sqnr_db
+from property_tests.mutants import MUTANTS, Mutant
+
+TORCHAO_OUTPUT_DB, TORCHAO_GRAD_WEIGHT_DB = 18.0, 17.0
+
+
+def torchao_style_catches(mutant: Mutant, device: str = "cpu", seed: int = 0) -> bool:
+    """One toy-shape accuracy test, as torchao writes them: Linear(16, 32), a 16x16 bf16 input,
+    the FP8 layer's output and grad_weight against the bf16 layer's, by SQNR."""
+    torch.manual_seed(seed)
+    reference = nn.Linear(16, 32, dtype=torch.bfloat16, device=device)
+    candidate_linear = nn.Linear(16, 32, dtype=torch.bfloat16, device=device)
+    candidate_linear.load_state_dict(reference.state_dict())
+    try:
+        candidate, _, _ = load_impl(mutant.spec).build(candidate_linear)
+        x = torch.randn(16, 16, dtype=torch.bfloat16, device=device)
+        out_ref, out = reference(x), candidate(x.clone())
+        out_ref.sum().backward()
+        out.sum().backward()
+    except Exception:  # noqa: BLE001 - a crash is caught by any test
+        return True
+    return not (sqnr_db(out.float(), out_ref.float()) >= TORCHAO_OUTPUT_DB and
+                sqnr_db(candidate_linear.weight.grad.float(), reference.weight.grad.float()) >= TORCHAO_GRAD_WEIGHT_DB)
+
+
+def rates(device: str = "cpu") -> list[dict]:
+    rows = []
+    reference = load_impl("torchao:tensorwise")
+    for mutant in MUTANTS:
+        if mutant.gpu_only and mutant.category == "accumulation" and device != "cuda":
+            rows.append(dict(mutant=mutant.name, category=mutant.category, check="n/a (GPU only)",
+                             bisect="n/a (GPU only)", torchao_style=torchao_style_catches(mutant, device)))
+            continue
+        plan = CheckPlan.make(load_impl(mutant.spec), reference)
+        checked = run_check(plan, device=device, max_examples=60)
+        result = localize(plan, device=device, max_examples=60)
+        localized = (result.category == mutant.category and sorted(result.gemm) == sorted(mutant.gemms)
+                     and result.operand == mutant.operand
+                     and (mutant.trigger is None or any(mutant.trigger in t for t in result.trigger)))
+        rows.append(dict(mutant=mutant.name, category=mutant.category, check=checked.verdict == "fail",
+                         cases_to_kill=checked.cases_run, bisect=localized,
+                         torchao_style=torchao_style_catches(mutant, device)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    import pandas as pd
+    table = pd.DataFrame.from_records(rates(args.device))
+    print(table.to_markdown(index=False))
+    judged = table[table["check"] != "n/a (GPU only)"]
+    print(f"\ncheck kills {int((judged['check'] == True).sum())}/{len(judged)}; "  # noqa: E712
+          f"bisect localizes {int((judged['bisect'] == True).sum())}/{len(judged)}; "  # noqa: E712
+          f"torchao-style thresholds catch {int(table['torchao_style'].sum())}/{len(table)} (on {args.device})")
+
+
+if __name__ == "__main__":
+    main()
