@@ -28,7 +28,7 @@ _COMMON = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too
 settings.register_profile("dev", max_examples=20, deadline=None, **_COMMON)
 settings.register_profile("ci", max_examples=30, derandomize=True, deadline=None, database=None,
                           print_blob=True, **_COMMON)
-settings.register_profile("gpu", max_examples=150, deadline=None, derandomize=True, database=None,
+settings.register_profile("gpu", max_examples=100, deadline=None, derandomize=True, database=None,
                           print_blob=True, **_COMMON)
 settings.register_profile("thorough", max_examples=1000, deadline=None, print_blob=True, **_COMMON)
 DEFAULT_PROFILE = os.environ.get("FP8_PARITY_PROFILE") or (

@@ -47,6 +47,8 @@ ones, are saved for backward: half the activation memory of bf16 and no second c
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # ROCm MI300 (gfx942) uses the "fnuz" FP8 variants (no negative zero, max 240 for e4m3);
@@ -67,14 +69,20 @@ GEMM_ALIGNMENT = 16  # torch._scaled_mm / cuBLASLt: every GEMM dimension divisib
 
 
 def to_float8(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tensorwise dynamic scaling of `x`: returns (x_fp8, inverse_scale), x ~ x_fp8 * inverse_scale."""
+    """Tensorwise dynamic scaling of `x`: returns (x_fp8, inverse_scale), x ~ x_fp8 * inverse_scale.
+
+    Two passes over x (torchao's eager path makes six): one reduction for amax, and one
+    multiply that upcasts, scales and rounds to fp8 on store.
+    """
     fp8_max = FP8_MAX[fp8_dtype]
-    amax = torch.max(torch.abs(x))
+    amax = torch.linalg.vector_norm(x, ord=math.inf)  # max |x| in one pass, no |x| temporary; exact
     # float64 division, then float32: the same bits in eager and compiled code (torchao does this).
     scale = (fp8_max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
-    # x.float() first: `bf16_tensor * fp32_scalar_tensor` would stay bf16 and round the product.
-    # The clamp saturates; e5m2 has an inf that a plain cast would produce on overflow.
-    x_fp8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    # The scale as a 1-element (not 0-dim) tensor makes the product float32: bf16 * 0-dim fp32
+    # would stay bf16 and round x * scale in bf16. No clamp is needed: |x| <= amax, so
+    # |x * scale| <= fp8_max (1 + 2^-23), which rounds to fp8_max (inf and NaN input give NaN,
+    # as with a clamp). Layout: x_fp8 has x's strides (dense x) or is contiguous.
+    x_fp8 = torch.mul(x, scale.reshape(1), out=torch.empty_like(x, dtype=fp8_dtype))
     return x_fp8, scale.reciprocal()
 
 

@@ -100,6 +100,31 @@ def build_parser() -> argparse.ArgumentParser:
                              "`fp8-parity check --impl IMPL` as the test")
     bisect.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the result as JSON")
 
+    from parity.bench import DEFAULT_IMPLS as BENCH_IMPLS, PRESETS as BENCH_PRESETS
+    bench = commands.add_parser("bench", help="fwd+bwd time, TFLOP/s, memory and roofline fraction on the GPU",
+                                description="Time forward+backward of a linear layer per implementation and shape, "
+                                            "eager and torch.compile'd, on a CUDA GPU; report speedups vs torchao "
+                                            "tensorwise and bf16 and the fraction of a limit measured in the same "
+                                            "run. Exit 1 when a configuration failed, 125 without an FP8 GPU.")
+    bench.add_argument("--impl", action="append", default=None, metavar="IMPL",
+                       help=f"implementations (repeatable; default: {', '.join(BENCH_IMPLS)}); the first is the "
+                            f"candidate of the headline")
+    bench.add_argument("--preset", action="append", choices=list(BENCH_PRESETS), default=None,
+                       help="repeatable (default: small); " + "; ".join(
+                           f"{p.name}: {p.description}, {len(p.shapes)} shapes" for p in BENCH_PRESETS.values()))
+    bench.add_argument("--compile", choices=["both", "on", "off"], default="both",
+                       help="time eager, torch.compile'd or both (default both; compiling dominates the run time)")
+    bench.add_argument("--device", choices=["cuda"], default="cuda", help="the GPU (there is no CPU benchmark)")
+    bench.add_argument("--warmup", type=int, default=None, help="untimed iterations (default: the preset's)")
+    bench.add_argument("--iters", type=int, default=None, help="timed iterations (default: the preset's)")
+    bench.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    throughput = commands.add_parser("throughput", help="cases per second of the harness itself (small shapes)")
+    throughput.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    throughput.add_argument("--workers", type=int, default=1, help="processes sharing the device (default 1)")
+    throughput.add_argument("--cases", type=int, default=300, help="small cases to run (default 300)")
+
     report = commands.add_parser("report", help="re-render a report from a stored results table")
     report.add_argument("results", type=Path, help="results.csv.gz (or .csv/.parquet) or a report directory")
     report.add_argument("--out", type=Path, default=None, help="report directory (default: next to RESULTS)")
@@ -212,6 +237,47 @@ def cmd_bisect(args) -> int:
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
 
 
+def cmd_throughput(args) -> int:
+    from parity.check import resolve_device
+    from parity.throughput import measure
+
+    device, reason = resolve_device(args.device)
+    if device is None:
+        print(f"fp8-parity throughput: cannot run here: {reason}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    result = measure(device=device, workers=args.workers, cases=args.cases)
+    print(f"{result['cases_per_second']} cases/s: {result['cases']} small cases (candidate fp8_impl, torchao "
+          f"reference, exact emulation, metrics, policy) in {result['seconds']} s on {device} with "
+          f"{result['workers']} worker(s)")
+    if result["phase_share"]:
+        print("host time per phase: " + ", ".join(f"{k} {v:.0%}" for k, v in result["phase_share"].items()))
+    return EXIT_PASS
+
+
+def cmd_bench(args) -> int:
+    from parity.bench import DEFAULT_IMPLS, PRESETS, NoGPUError, bench_verdict, run_bench, write_bench_report
+
+    impls = [load_impl(name) for name in args.impl or DEFAULT_IMPLS]
+    presets = [PRESETS[name] for name in dict.fromkeys(args.preset or ["small"])]
+    modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
+    out = args.out or _default_report_dir()
+    names = "+".join(p.name for p in presets)
+    print(f"fp8-parity bench: preset {names}, {sum(len(p.shapes) for p in presets)} shapes x {len(impls)} "
+          f"implementations x {len(modes)} compile modes", file=sys.stderr)
+    try:
+        frame = run_bench(presets, impls, compile_modes=modes, device=args.device, warmup=args.warmup,
+                          iters=args.iters, progress=_progress_bar(not args.quiet, "configurations"))
+    except NoGPUError as err:
+        print(f"fp8-parity bench: cannot run here: {err}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    judged = bench_verdict(frame, candidate=impls[0].name)
+    written = write_bench_report(frame, out, title=f"fp8-parity bench: {names} on {frame.attrs['env']['gpu']}",
+                                 verdict=judged)
+    print(judged.headline)
+    print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
+    return EXIT_PASS if judged.ok else EXIT_FAIL
+
+
 def cmd_report(args) -> int:
     from parity.report import verdict, write_report
 
@@ -269,7 +335,9 @@ def cmd_check(args) -> int:
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
 
 
-COMMANDS = {"check": cmd_check, "sweep": cmd_sweep, "bisect": cmd_bisect, "report": cmd_report, "diff": cmd_diff}
+COMMANDS = {"check": cmd_check, "sweep": cmd_sweep, "bisect": cmd_bisect, "bench": cmd_bench,
+            "throughput": cmd_throughput,
+            "report": cmd_report, "diff": cmd_diff}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -363,7 +363,8 @@ def _html(title: str, judged: Verdict, env: Mapping, sections: list, images: lis
 def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-parity report",
                  candidate: str = "fp8_impl", parity_reference: str = PARITY_REFERENCE,
                  verdict: Verdict | None = None, extra_tables: Mapping[str, pd.DataFrame] | None = None,
-                 plots: bool = True, extra_plots: Mapping[str, Callable[[Figure], None]] | None = None) -> list[Path]:
+                 plots: bool = True, extra_plots: Mapping[str, Callable[[Figure], None]] | None = None,
+                 tables: Sequence[tuple[str, str | None, pd.DataFrame]] | None = None) -> list[Path]:
     """Write the report of `frame` into `out_dir` (created) and return the paths written.
 
     results.csv.gz  the full tidy table (tuples as text; read it back with read_results)
@@ -376,8 +377,13 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-
 
     `verdict` defaults to verdict(frame, candidate=..., parity_reference=...); pass your own to
     headline another kind of report. `extra_tables` (heading -> table) follow the summary.
+    `tables` ((heading, note, table) sections) replaces the parity summary: then `frame` may be
+    any tidy table (a benchmark's), `verdict` is required and plots=False skips the parity plots.
     """
-    frame = _validated(frame)
+    if tables is None:
+        frame = _validated(frame)
+    elif verdict is None:
+        raise ValueError("write_report(tables=...) needs a verdict: the default one judges parity rows")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     judged = verdict if verdict is not None else _judge(frame, candidate=candidate, parity_reference=parity_reference)
@@ -386,9 +392,10 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-
     (out / ENV_FILE).write_text(json.dumps(env, indent=2, default=str) + "\n")
     drawings = {**(_standard_plots(frame, candidate, parity_reference) if plots else {}), **(extra_plots or {})}
     images = [_save_figure(out / name, draw) for name, draw in drawings.items()]
-    sections = [(*TABLE_HEADINGS[name], table)
-                for name, table in summary_tables(frame, parity_reference=parity_reference).items()]
-    sections += [(name, None, table) for name, table in (extra_tables or {}).items()]
+    if tables is None:
+        tables = [(*TABLE_HEADINGS[name], table)
+                  for name, table in summary_tables(frame, parity_reference=parity_reference).items()]
+    sections = [*tables, *((name, None, table) for name, table in (extra_tables or {}).items())]
     (out / "summary.md").write_text(_markdown(title, judged, env, sections, images))
     (out / "index.html").write_text(_html(title, judged, env, sections, images))
     return [out / RESULTS_FILE, out / ENV_FILE, *images, out / "summary.md", out / "index.html"]

@@ -154,20 +154,35 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
 
 
 def run_case(case: Case, impls: Sequence[Impl], references: Sequence[Impl], *, device: str | torch.device = "cpu",
-             record: bool = True) -> list[dict]:
-    """Every implementation against every reference on one case (each executed once)."""
+             record: bool = True, timings: dict[str, float] | None = None) -> list[dict]:
+    """Every implementation against every reference on one case (each executed once).
+
+    `timings`, if given, accumulates the host seconds of each phase: data, one entry per
+    implementation, and compare (metrics, bounds)."""
     device = torch.device(device)
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        if timings is not None:
+            now = time.perf_counter()
+            timings[phase] = timings.get(phase, 0.0) + now - clock
+            clock = now
+
     data = make_data(case, device)
+    lap("data")
     executions: dict[str, Execution] = {}
     for impl in [*impls, *references]:
         if impl.name not in executions:
             executions[impl.name] = execute(impl, data, record=record and not impl.is_reference)
+            lap(impl.name)
     rows = []
     for impl in impls:
         for reference in references:
             if reference.name != impl.name:
                 rows.extend(compare_executions(data, executions[impl.name], executions[reference.name],
                                                device_type=device.type))
+    lap("compare")
     return rows
 
 

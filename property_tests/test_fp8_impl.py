@@ -215,3 +215,24 @@ def test_module_is_small():
         code = [line for line in source.splitlines() if line.strip() and not line.strip().startswith("#")]
         total += len(code) - docstrings
     assert total <= 220, f"fp8_impl has {total} lines of code; keep it near 150"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("special", [None, "nan", "inf", "-inf", "huge", "zeros", "subnormal"])
+def test_quantization_bits_equal_torchao(special, fp8, device, generator):
+    """to_float8 (two passes, no clamp) gives torchao's fp8 bits and scale, special values included."""
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    x = torch.randn(32, 48, generator=generator).to(torch.bfloat16)
+    if special == "zeros":
+        x.zero_()
+    elif special == "subnormal":
+        x = x * 1e-39
+    elif special is not None:
+        x[3, 5] = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "huge": 3e38}[special]
+    x = x.to(device)
+    ours, inverse_scale = fp8_impl.to_float8(x, fp8)
+    scale = tensor_to_scale(x, fp8)
+    theirs = to_fp8_saturated(x.to(torch.float32) * scale, fp8)
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    assert torch.equal(inverse_scale.view(torch.int32), scale.reciprocal().view(torch.int32))
