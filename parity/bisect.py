@@ -223,7 +223,7 @@ def _call_differences(candidate: Sequence[ScaledMMCall], reference: Sequence[Sca
     theirs = {call.gemm: call for call in reference}
     for call in candidate:
         for problem in sm90_violations(call):
-            lines.append(f"_scaled_mm {call.gemm} GEMM would fail on H100: {problem}")
+            lines.append(f"_scaled_mm {call.gemm} GEMM: {problem}")
         other = theirs.get(call.gemm)
         if other is None:
             continue
@@ -340,7 +340,7 @@ def _classify(result: Localization, crashes, numeric, scaled_mm, oracle: WrongOr
         problem = str(scaled_mm[0].value)
         gemm = result.first or "output"
         a, b = OPERANDS_OF.get(gemm, ("unknown", "unknown"))
-        return "layout", (b if ": B [" in problem else a if ": A [" in problem else "unknown")
+        return "layout", (b if "H100: B" in problem else a if "H100: A" in problem else "unknown")
     if not numeric:
         return "contract", "result"
     if any(t == "only from the second call" for t in triggers):

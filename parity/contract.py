@@ -110,41 +110,50 @@ class ScaledMMRecorder(TorchDispatchMode):
 
 
 def sm90_violations(call: ScaledMMCall) -> list[str]:
-    """Why this call would raise (or be refused by cuBLASLt) on an H100/H200; empty if it would run."""
-    problems = []
+    """What goes wrong with this call on an H100/H200 ("would fail on H100: ..."); empty if
+    nothing. Each rule was seen raising on an H200 (torch 2.11, `python .ci/probe_scaled_mm.py`)
+    except the scale rules, which follow ScaledBlas.cpp."""
+    fail = "would fail on H100: "
     if len(call.a_shape) != 2 or len(call.b_shape) != 2:
-        return [f"_scaled_mm takes 2-D operands, got A {call.a_shape} and B {call.b_shape}"]
+        return [f"{fail}_scaled_mm takes 2-D operands, got A {call.a_shape} and B {call.b_shape}"]
+    problems = []
     (M, K), (Kb, N) = call.a_shape, call.b_shape
     if K != Kb:
-        problems.append(f"A [{M}x{K}] and B [{Kb}x{N}] cannot be multiplied")
+        problems.append(f"{fail}A [{M}x{K}] and B [{Kb}x{N}] cannot be multiplied")
     if not (call.a_stride[1] == 1 and call.a_stride[0] >= max(1, K)):
-        problems.append(
-            f"A [{M}x{K}] has strides {call.a_stride}: SM90 cuBLASLt needs A row-major (stride(1) == 1); "
-            f"pass a.contiguous()")
+        problems.append(f"{fail}A [{M}x{K}] has strides {call.a_stride}: SM90 cuBLASLt needs A row-major "
+                        f"(stride(1) == 1); pass a.contiguous()")
+    elif call.a_stride[0] % 16:
+        problems.append(f"{fail}A's row stride {call.a_stride[0]} is not a multiple of 16 bytes (cuBLASLt: "
+                        f"CUBLAS_STATUS_NOT_SUPPORTED); pass a.contiguous()")
     if not (call.b_stride[0] == 1 and call.b_stride[1] >= max(1, Kb)):
-        problems.append(
-            f"B [{Kb}x{N}] has strides {call.b_stride}: SM90 cuBLASLt needs B column-major (stride(0) == 1); "
-            f"pass b.t().contiguous().t()")
+        problems.append(f"{fail}B [{Kb}x{N}] has strides {call.b_stride}: SM90 cuBLASLt needs B column-major "
+                        f"(stride(0) == 1); pass b.t().contiguous().t()")
+    elif call.b_stride[1] % 16:
+        problems.append(f"{fail}B's column stride {call.b_stride[1]} is not a multiple of 16 bytes (cuBLASLt: "
+                        f"CUBLAS_STATUS_NOT_SUPPORTED); pass b.t().contiguous().t()")
     for name, value in (("K (A.size(1))", K), ("B.size(0)", Kb), ("N (B.size(1))", N)):
         if value % 16:
-            problems.append(f"{name} = {value} is not divisible by 16")
+            problems.append(f"{fail}{name} = {value} is not divisible by 16")
     if call.a_dtype == call.b_dtype == "float8_e5m2":
-        problems.append("both operands are float8_e5m2: cuBLASLt multiplies e5m2 only with e4m3")
-    if call.out_dtype is None:
-        problems.append(f"no out_dtype: the result would be written in {call.a_dtype} (pass out_dtype=torch.bfloat16 or the input's dtype)")
+        problems.append(f"{fail}both operands are float8_e5m2: cuBLASLt multiplies e5m2 only with e4m3")
     (sa_shape, sa_dtype), (sb_shape, sb_dtype) = call.scale_a, call.scale_b
     tensorwise = math.prod(sa_shape) == 1 and math.prod(sb_shape) == 1
     rowwise = sa_shape == (M, 1) and sb_shape == (1, N)
     if sa_dtype != "float32" or sb_dtype != "float32":
-        problems.append(f"scales must be float32, got scale_a {sa_dtype} and scale_b {sb_dtype}")
+        problems.append(f"{fail}scales must be float32, got scale_a {sa_dtype} and scale_b {sb_dtype}")
     elif not (tensorwise or rowwise):
-        problems.append(f"scale shapes {list(sa_shape)} and {list(sb_shape)} are neither tensorwise (1 element each) "
-                        f"nor rowwise ([{M}, 1] and [1, {N}])")
+        problems.append(f"{fail}scale shapes {list(sa_shape)} and {list(sb_shape)} are neither tensorwise "
+                        f"(1 element each) nor rowwise ([{M}, 1] and [1, {N}])")
     for name, align in (("A", call.a_align), ("B", call.b_align)):
         if align:
-            problems.append(f"{name}'s data pointer is not 16-byte aligned (offset {align} bytes)")
+            problems.append(f"{fail}{name}'s data pointer is not 16-byte aligned (offset {align} bytes; cuBLASLt: "
+                            f"CUBLAS_STATUS_NOT_SUPPORTED)")
     if call.bias_dtype is not None and call.out_dtype == "float32":
-        problems.append("a bias with out_dtype=float32 is not supported")
+        problems.append(f"{fail}a bias with out_dtype=float32 is not supported")
+    if call.out_dtype is None:
+        problems.append(f"no out_dtype: the result is written in {call.a_dtype}, on any device (pass "
+                        f"out_dtype=torch.bfloat16 or the input's dtype)")
     return problems
 
 
@@ -189,7 +198,11 @@ def expected_contract(case: Case) -> dict[str, TensorContract]:
     return contract
 
 
-def contract_violations(tensor: torch.Tensor | None, expected: TensorContract, name: str) -> list[str]:
+def contract_violations(tensor: torch.Tensor | TensorContract | None, expected: TensorContract,
+                        name: str) -> list[str]:
+    """How `tensor` (or its recorded dtype/shape/strides) differs from what nn.Linear gives."""
+    if isinstance(tensor, torch.Tensor):
+        tensor = TensorContract(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     if tensor is None:
         return [f"{name} is None (nn.Linear gives a {_dtype_name(expected.dtype)} tensor of shape {list(expected.shape)})"]
     problems = []
@@ -197,6 +210,6 @@ def contract_violations(tensor: torch.Tensor | None, expected: TensorContract, n
         problems.append(f"{name} dtype is {_dtype_name(tensor.dtype)}, nn.Linear gives {_dtype_name(expected.dtype)}")
     if tuple(tensor.shape) != expected.shape:
         problems.append(f"{name} shape is {list(tensor.shape)}, nn.Linear gives {list(expected.shape)}")
-    elif tuple(tensor.stride()) != expected.stride and tensor.numel() > 1:
-        problems.append(f"{name} strides are {tuple(tensor.stride())}, nn.Linear gives {expected.stride}")
+    elif tensor.stride != expected.stride and math.prod(tensor.shape) > 1:
+        problems.append(f"{name} strides are {tensor.stride}, nn.Linear gives {expected.stride}")
     return problems

@@ -32,10 +32,14 @@ class CaseData:
     case: Case
     steps: list[StepData]
     bias: torch.Tensor | None  # [N], weight dtype
+    host: "CaseData | None" = None  # the same tensors on the CPU (None when these are the CPU's)
 
     @property
     def device(self) -> torch.device:
         return self.steps[0].input.device
+
+    def on_host(self) -> "CaseData":
+        return self if self.host is None else self.host
 
 
 def sample(dist: Dist, shape: tuple[int, ...], generator: torch.Generator, *, outlier_ratio: int = 100) -> torch.Tensor:
@@ -72,7 +76,7 @@ def sample(dist: Dist, shape: tuple[int, ...], generator: torch.Generator, *, ou
 
 
 def make_data(case: Case, device: torch.device | str = "cpu") -> CaseData:
-    """The tensors of every call of `case`, on `device`."""
+    """The tensors of every call of `case`, on `device` (with their CPU twin in `.host`)."""
     g = torch.Generator().manual_seed(case.seed)
     draw = lambda shape: sample(case.dist, shape, g, outlier_ratio=case.outlier_ratio)  # noqa: E731
     # Outlier channels are an activation phenomenon (LLM hidden states): weights and gradients
@@ -86,12 +90,14 @@ def make_data(case: Case, device: torch.device | str = "cpu") -> CaseData:
     for step in range(case.steps):
         if step:  # an in-place update between calls, like an optimizer step
             weight = weight * -0.5 + draw_param((case.N, case.K))
-        steps.append(StepData(
-            input=draw(case.input_shape).to(in_dtype).to(device),
-            weight=weight.to(w_dtype).to(device),
-            grad_output=draw_param(case.output_shape).to(in_dtype).to(device),
-        ))
-    return CaseData(case=case, steps=steps, bias=None if bias is None else bias.to(w_dtype).to(device))
+        steps.append(StepData(input=draw(case.input_shape).to(in_dtype), weight=weight.to(w_dtype),
+                              grad_output=draw_param(case.output_shape).to(in_dtype)))
+    host = CaseData(case=case, steps=steps, bias=None if bias is None else bias.to(w_dtype))
+    if torch.device(device).type == "cpu":
+        return host
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    return CaseData(case, [StepData(move(s.input), move(s.weight), move(s.grad_output)) for s in steps],
+                    move(host.bias), host=host)
 
 
 def materialize(values: torch.Tensor, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:

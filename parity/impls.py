@@ -68,6 +68,7 @@ class Impl:
     recipe: str = "tensorwise"  # what its numerics claim to be: decides the parity policy
     compute_dtype: torch.dtype | None = None  # references run on the case's data cast to this dtype
     convert_kwargs: dict = field(default_factory=dict)
+    device_independent: bool = False  # its results do not depend on the device (float64 math)
 
     @property
     def is_reference(self) -> bool:
@@ -142,7 +143,8 @@ def _torchao(recipe: str) -> Callable[[], Impl]:
 
 
 def _reference(name: str, dtype: torch.dtype) -> Callable[[], Impl]:
-    return lambda: Impl(name, Form.MODULE, _IdentityLinear, recipe=name, compute_dtype=dtype)
+    return lambda: Impl(name, Form.MODULE, _IdentityLinear, recipe=name, compute_dtype=dtype,
+                        device_independent=dtype == torch.float64)
 
 
 class _IdentityLinear:
@@ -155,7 +157,7 @@ class _IdentityLinear:
 
 def _emulated() -> Impl:
     from parity.oracles import emulated_matmul
-    return Impl("emulated", Form.FUNCTION, emulated_matmul, recipe="emulated")
+    return Impl("emulated", Form.FUNCTION, emulated_matmul, recipe="emulated", device_independent=True)
 
 
 BUILTINS: dict[str, Callable[[], Impl]] = {

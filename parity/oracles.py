@@ -151,12 +151,36 @@ def emulated_matmul(input_2d: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 # ---- how far a real FP8 GEMM may be from the exact result ------------------------------------------
 
-# Unit roundoff of the GEMM accumulation. fp32 accumulation: 2^-24. Hopper's fast accumulation
-# keeps about 14 mantissa bits in the tensor-core partial sums (DeepSeek-V3 report, section
-# 3.3.2, measured on H800); we allow 2^-13, twice that, since the exact width is undocumented.
-# CPUs ignore use_fast_accum.
+# How a GEMM accumulates, for the bound. CPUs sum in fp32 (unit roundoff 2^-24) and ignore
+# use_fast_accum. Hopper's FP8 tensor cores keep about 14 mantissa bits in their partial sums
+# (DeepSeek-V3 report, section 3.3.2, measured on H800); we allow 2^-13, twice that, since
+# the width is undocumented. With fast accumulation the whole K-long sum stays at that
+# precision; without it, cuBLAS "periodically promotes" partial sums to fp32 (its docs; the
+# period is undocumented): we assume blocks of at most 256 products (CUTLASS promotes every
+# 4 x 32 = 128, doubled for margin), summed in fp32. Measured on the H200: fp32-accumulation
+# bounds fail there by up to 13.6x even without fast accumulation (K = 16), these hold.
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
-FAST_ACCUM_UNIT_ROUNDOFF = 2.0 ** -13
+TENSOR_CORE_UNIT_ROUNDOFF = 2.0 ** -13
+PROMOTION_INTERVAL = 256
+
+
+def _gamma(k: int, u: float) -> float:
+    """Higham's gamma_k = k u / (1 - k u): any order of a k-term sum errs by <= gamma_k sum |terms|."""
+    return k * u / max(1 - k * u, 1e-3)
+
+
+def accumulation_gamma(inner_dim: int, *, device_type: str, fast_accum: bool) -> float:
+    """The gamma of a GEMM's K-long accumulation on this kind of device (see above)."""
+    if device_type != "cuda":
+        return _gamma(inner_dim, FP32_UNIT_ROUNDOFF)
+    if fast_accum:
+        return _gamma(inner_dim, TENSOR_CORE_UNIT_ROUNDOFF)
+    block = min(inner_dim, PROMOTION_INTERVAL)
+    blocks = -(-inner_dim // block)
+    inner = _gamma(block, TENSOR_CORE_UNIT_ROUNDOFF)
+    return inner + _gamma(blocks, FP32_UNIT_ROUNDOFF) * (1 + inner)
+
+
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24,
                  torch.float64: 2.0 ** -53}
 _SMALLEST_SUBNORMAL = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, torch.float32: 2.0 ** -149,
@@ -185,25 +209,22 @@ def magnitude_of(step: EmulatedStep, step_data, tensor: str) -> tuple[torch.Tens
     return step.magnitude[tensor], step.inner_dim[tensor], getattr(step, tensor)
 
 
-def accumulation_excess(candidate: torch.Tensor, exact: torch.Tensor, *, magnitude: torch.Tensor, inner_dim: int,
+def accumulation_excess(candidate: torch.Tensor, exact: torch.Tensor, *, magnitude: torch.Tensor, gamma: float,
                         gemm_value: torch.Tensor, rounding_chain: Sequence[torch.dtype],
-                        bias: torch.Tensor | None = None, fast_accum: bool = False,
-                        sides: int = 1) -> tuple[float, int, tuple]:
+                        bias: torch.Tensor | None = None, sides: int = 1) -> tuple[float, int, tuple]:
     """(max |c - e| / allowed, count beyond 1, index of the max) for the elementwise bound
 
-        allowed = sides * (gamma_k(u_acc) + 2 u_fp32) * (|A| @ |B|)
+        allowed = sides * (gamma + 2 u_fp32) * (|A| @ |B|)
                   + sum over the roundings d of the result: u_d (2 |G| + |c| + |e|) (1 + 2^-7)
                   + u_out |bias| + smallest subnormals
 
     G is the exact GEMM result (what is rounded first; with a bias, the final value can be far
-    smaller). gamma_k = k u / (1 - k u) bounds any order of k-term accumulation with unit
-    roundoff u (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1); 2 u_fp32
-    covers applying the two inverse scales in fp32; u_out |bias| lets a correct implementation
+    smaller). gamma bounds the accumulation (accumulation_gamma: Higham, Accuracy and
+    Stability of Numerical Algorithms, section 3.1); 2 u_fp32 covers applying the two inverse
+    scales in fp32; u_out |bias| lets a correct implementation
     add the bias at another precision. `exact` is the emulated result rounded like the
     candidate's; sides=2 when both sides are real GEMMs (each with its own error).
     """
-    u_acc = FAST_ACCUM_UNIT_ROUNDOFF if fast_accum else FP32_UNIT_ROUNDOFF
-    gamma = inner_dim * u_acc / max(1 - inner_dim * u_acc, 1e-3)
     c = candidate.detach().to(torch.float64).reshape(magnitude.shape)
     e = exact.detach().to(torch.float64).reshape(magnitude.shape)
     rounded = 2 * gemm_value.detach().to(torch.float64).abs().reshape(magnitude.shape) + c.abs() + e.abs()

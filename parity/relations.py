@@ -174,7 +174,9 @@ def _mismatch(tensor: str, step: int, got: torch.Tensor | None, want: torch.Tens
         return None
     if reordered:
         magnitude, inner, value = oracles.magnitude_of(emulated[step], data.steps[step], tensor)
-        ratio, beyond, index = oracles.accumulation_excess(got, want, magnitude=magnitude, inner_dim=inner,
+        gamma = oracles.accumulation_gamma(inner, device_type=data.device.type if tensor != "grad_bias" else "cpu",
+                                           fast_accum=tensor == "output")
+        ratio, beyond, index = oracles.accumulation_excess(got, want, magnitude=magnitude, gamma=gamma,
                                                            gemm_value=value,
                                                            rounding_chain=oracles.rounding_chain(data.case, tensor),
                                                            sides=2)
