@@ -74,6 +74,19 @@ def test_fp8_impl_meets_the_statistical_policies(against):
     assert result.verdict == "pass", render(result)
 
 
+def test_sqnr_policy_floors_follow_the_effective_size():
+    from parity.policy import sampling_margin_db, sqnr_floor
+    assert sampling_margin_db(16) > 3 > sampling_margin_db(4096) > 0.3
+    assert sqnr_floor("tensorwise", "output", "normal", n_eff=1e9) == pytest.approx(25.5, abs=0.01)
+    assert sqnr_floor("tensorwise", "grad_weight", "normal", n_eff=16) < 18.5
+    assert sqnr_floor("tensorwise", "output", "nearmax", "fp16") is None
+
+
+def test_sqnr_policy_catches_a_gross_bug():
+    result = run_check(plan(f"{MUTANTS}:scale_not_inverted", "fp64"), max_examples=10)
+    assert result.verdict == "fail" and {v.metric for v in result.violations} & {"sqnr_db", "nonfinite"}
+
+
 def test_rowwise_is_not_worse_than_tensorwise():
     cases = [Case(lead=(64,), K=128, N=48, dist=dist, seed=seed)
              for dist in ("normal", "heavy", "outlier", "negative") for seed in range(3)]
