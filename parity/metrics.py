@@ -23,7 +23,7 @@ DEFAULT_TOLERANCE = {
 }
 METRICS = ("bitwise", "n_diff", "sqnr_db", "rel_l2", "max_abs_err", "max_abs_index", "worst_candidate",
            "worst_reference", "max_rel_err", "n_mismatch", "rtol", "atol", "ulp_max", "ulp_p99", "cosine",
-           "nan", "inf", "ref_nan", "ref_inf", "numel", "n_eff")
+           "nan", "inf", "ref_nan", "ref_inf", "unexpected_inf", "numel", "n_eff")
 
 
 def ulp(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,7 +56,7 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
         return dict(bitwise=True, n_diff=0, sqnr_db=math.inf, rel_l2=0.0, max_abs_err=0.0,
                     max_abs_index=(0,) * candidate.dim(), worst_candidate=first, worst_reference=first,
                     max_rel_err=0.0, n_mismatch=0, rtol=rtol, atol=atol, ulp_max=0.0, ulp_p99=0.0, cosine=1.0,
-                    nan=0, inf=int(inf), ref_nan=0, ref_inf=int(inf), numel=candidate.numel(),
+                    nan=0, inf=int(inf), ref_nan=0, ref_inf=int(inf), unexpected_inf=0, numel=candidate.numel(),
                     n_eff=float(candidate.numel()))
     c = candidate.detach().to(torch.float64)
     r = reference.detach().to(torch.float64)
@@ -90,9 +90,12 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
         cosine, c_nan.sum().to(torch.float64), c_inf.sum().to(torch.float64),
         r_nan.sum().to(torch.float64), r_inf.sum().to(torch.float64),
         (abs_err != 0).sum().to(torch.float64), r_finite.pow(4).sum(),
+        # infinities where the reference is finite and far from overflowing `dtype` (not an fp16 output
+        # that a rounding pushed past 65504, which a correct implementation may also do)
+        (c_inf & ~r_inf & (r_finite.abs() < 0.5 * torch.finfo(dtype).max)).sum().to(torch.float64),
     ]).tolist()  # the one host transfer
     (signal, noise, max_abs, argmax, worst_c, worst_r, max_rel, n_mismatch, ulp_max, ulp_p99, cosine,
-     nan, inf, ref_nan, ref_inf, n_diff, fourth) = stats
+     nan, inf, ref_nan, ref_inf, n_diff, fourth, unexpected_inf) = stats
     bitwise = candidate.dtype == reference.dtype and not n_diff
     if math.isnan(cosine):  # an all-zero tensor on either side
         cosine = 1.0 if noise == 0 else 0.0
@@ -108,7 +111,7 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
         worst_candidate=worst_c, worst_reference=worst_r,
         max_rel_err=max_rel, n_mismatch=int(n_mismatch), rtol=rtol, atol=atol,
         ulp_max=ulp_max, ulp_p99=ulp_p99, cosine=cosine, nan=int(nan), inf=int(inf),
-        ref_nan=int(ref_nan), ref_inf=int(ref_inf), numel=numel,
+        ref_nan=int(ref_nan), ref_inf=int(ref_inf), unexpected_inf=int(unexpected_inf), numel=numel,
         # effective number of elements carrying the reference's energy: (sum r^2)^2 / sum r^4
         n_eff=signal ** 4 / fourth if fourth else float(numel),
     )

@@ -227,6 +227,12 @@ def accumulation_excess(candidate: torch.Tensor, exact: torch.Tensor, *, magnitu
     """
     c = candidate.detach().to(torch.float64).reshape(magnitude.shape)
     e = exact.detach().to(torch.float64).reshape(magnitude.shape)
+    # At a dtype's overflow threshold, accumulation error decides between its max and inf (fp16:
+    # 65504 vs inf): an infinity counts as the threshold, max + half an ulp.
+    narrowest = min((torch.finfo(dtype) for dtype in rounding_chain), key=lambda f: f.max)
+    threshold = narrowest.max * (1 + narrowest.eps / 2)
+    same = (c == e) | (torch.isnan(c) & torch.isnan(e))
+    c, e = c.clamp(-threshold, threshold), e.clamp(-threshold, threshold)
     rounded = 2 * gemm_value.detach().to(torch.float64).abs().reshape(magnitude.shape) + c.abs() + e.abs()
     allowed = sides * (gamma + 2 * FP32_UNIT_ROUNDOFF) * magnitude
     for dtype in rounding_chain:
@@ -234,7 +240,7 @@ def accumulation_excess(candidate: torch.Tensor, exact: torch.Tensor, *, magnitu
     if bias is not None:
         allowed = allowed + UNIT_ROUNDOFF[rounding_chain[0]] * bias.detach().to(torch.float64).abs()
     excess = (c - e).abs() / allowed
-    excess = torch.where((c == e) | (torch.isnan(c) & torch.isnan(e)), 0.0, torch.nan_to_num(excess, nan=math.inf))
+    excess = torch.where(same, 0.0, torch.nan_to_num(excess, nan=math.inf))
     worst = excess.reshape(-1).argmax()
     ratio, beyond, flat = torch.stack([excess.reshape(-1)[worst], (excess > 1).sum().to(torch.float64),
                                        worst.to(torch.float64)]).tolist()

@@ -115,6 +115,12 @@ class Violation:
         return f"{self.message}; {self.detail}" if self.detail else self.message
 
 
+def _text(row: Mapping, key: str) -> str:
+    """A text cell: '' for None, NaN (a re-read CSV's empty cell) or a missing column."""
+    value = row.get(key)
+    return value if isinstance(value, str) else ""
+
+
 def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
@@ -133,10 +139,11 @@ def _row_violations(row: Mapping, policy: Policy, recipe: str) -> list[Violation
              if policy is Policy.SQNR else None)
     if policy is Policy.SQNR and floor is None:
         return out
-    if row["nan"] > row["ref_nan"] or row["inf"] > row["ref_inf"]:
+    if row["nan"] > row["ref_nan"] or row.get("unexpected_inf", 0) > 0:
         out.append(v("nonfinite", f"{row['nan']} NaN, {row['inf']} Inf", f"{row['ref_nan']} NaN, {row['ref_inf']} Inf",
                      f"{row['nan']} NaN and {row['inf']} Inf where {row['reference']} has {row['ref_nan']} and "
-                     f"{row['ref_inf']}"))
+                     f"{row['ref_inf']} ({row.get('unexpected_inf', 0)} Inf where the reference is far from "
+                     f"overflowing)"))
     if policy is Policy.BITWISE and not row["bitwise"]:
         if math.isnan(row["max_abs_err"]):
             out.append(v("bitwise", "not comparable", "bitwise equal",
@@ -165,9 +172,9 @@ def _candidate_violations(row: Mapping) -> list[Violation]:
     v = lambda metric, value, message: Violation(  # noqa: E731
         row["case_id"], row["impl"], row["reference"], row["tensor"], int(row["step"]), metric, value, "", message)
     out = []
-    if row.get("contract"):
+    if _text(row, "contract"):
         out.append(v("contract", row["contract"], f"{row['tensor']}: {row['contract']}"))
-    if row.get("scaled_mm"):
+    if _text(row, "scaled_mm"):
         out.append(v("scaled_mm_contract", row["scaled_mm"], row["scaled_mm"]))
     return out
 
@@ -179,13 +186,13 @@ def evaluate(rows: pd.DataFrame | Iterable[Mapping], policies: Mapping[str, Poli
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
     violations, seen = [], set()
     for row in records:
-        if row.get("error"):
+        if _text(row, "error"):
             if (row["case_id"], row["impl"]) not in seen:
                 seen.add((row["case_id"], row["impl"]))
                 violations.append(Violation(row["case_id"], row["impl"], row["reference"], "all", int(row["step"]),
                                             "crash", row["error"], "", f"the implementation raised: {row['error']}"))
             continue
-        if row.get("reference_error"):
+        if _text(row, "reference_error"):
             continue  # not the candidate's fault: run_check reports it as an error verdict
         key = (row["case_id"], row["impl"], row["tensor"], row["step"])
         if key not in seen:
@@ -203,10 +210,10 @@ def _paired_violations(records: list[Mapping], policies: Mapping[str, Policy]) -
     if not paired_refs:
         return []
     sqnr = {(r["case_id"], r["impl"], r["tensor"], r["step"]): r["sqnr_db"]
-            for r in records if r["reference"] == "fp64" and not r.get("error")}
+            for r in records if r["reference"] == "fp64" and not _text(r, "error")}
     out = []
     for r in records:
-        if r["reference"] != "fp64" or r.get("error") or r["impl"] in paired_refs:
+        if r["reference"] != "fp64" or _text(r, "error") or r["impl"] in paired_refs:
             continue
         for ref in paired_refs:
             ref_sqnr = sqnr.get((r["case_id"], ref, r["tensor"], r["step"]))
