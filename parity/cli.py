@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from parity.cases import CaseError, parse_case_id
+from parity.history import HistoryError
 from parity.impls import BUILTIN_HELP, Form, ImplError, load_impl
 from parity.policy import Policy
 
@@ -24,6 +25,19 @@ EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_RUN = 0, 1, 2, 125
 
 class UsageError(Exception):
     """Bad input from the user: printed as one clear message, exit 2."""
+
+
+class CannotRun(Exception):
+    """The command cannot run on this machine (no GPU, ...): one clear message, exit 125."""
+
+
+def _device(requested: str) -> str:
+    """The device to run on (cuda if present for "auto"), or CannotRun with the reason."""
+    from parity.check import resolve_device
+    device, reason = resolve_device(requested)
+    if device is None:
+        raise CannotRun(reason)
+    return device
 
 
 def _impl_arg(parser: argparse.ArgumentParser, *, default: str | None, help_prefix: str) -> None:
@@ -175,15 +189,11 @@ def _default_report_dir() -> Path:
 
 
 def cmd_sweep(args) -> int:
-    from parity.check import resolve_device
     from parity.report import verdict, write_report
     from parity.sweep import (DEFAULT_IMPLS, DEFAULT_REFERENCES, PRESETS, named_shape_table, run_sweep,
                               run_sweep_sharded)
 
-    device, reason = resolve_device(args.device)
-    if device is None:
-        print(f"fp8-parity sweep: cannot run here: {reason}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+    device = _device(args.device)
     impl_names = args.impl or list(DEFAULT_IMPLS)
     impls = [load_impl(name) for name in impl_names]
     references = [load_impl(name) for name in DEFAULT_REFERENCES]
@@ -212,12 +222,9 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_bisect(args) -> int:
-    from parity.check import CheckPlan, resolve_device
+    from parity.check import CheckPlan
 
-    device, reason = resolve_device(args.device)
-    if device is None:
-        print(f"fp8-parity bisect: cannot run here: {reason}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+    device = _device(args.device)
     if args.git:
         from parity.history import git_bisect
         found = git_bisect(args.git[0], args.git[1], impl=args.impl, against=args.against, device=device,
@@ -238,13 +245,9 @@ def cmd_bisect(args) -> int:
 
 
 def cmd_throughput(args) -> int:
-    from parity.check import resolve_device
     from parity.throughput import measure
 
-    device, reason = resolve_device(args.device)
-    if device is None:
-        print(f"fp8-parity throughput: cannot run here: {reason}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+    device = _device(args.device)
     result = measure(device=device, workers=args.workers, cases=args.cases)
     print(f"{result['cases_per_second']} cases/s: {result['cases']} small cases (candidate fp8_impl, torchao "
           f"reference, exact emulation, metrics, policy) in {result['seconds']} s on {device} with "
@@ -268,8 +271,7 @@ def cmd_bench(args) -> int:
         frame = run_bench(presets, impls, compile_modes=modes, device=args.device, warmup=args.warmup,
                           iters=args.iters, progress=_progress_bar(not args.quiet, "configurations"))
     except NoGPUError as err:
-        print(f"fp8-parity bench: cannot run here: {err}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+        raise CannotRun(str(err)) from None
     judged = bench_verdict(frame, candidate=impls[0].name)
     written = write_bench_report(frame, out, title=f"fp8-parity bench: {names} on {frame.attrs['env']['gpu']}",
                                  verdict=judged)
@@ -311,12 +313,9 @@ def cmd_diff(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from parity.check import CheckPlan, render, rerun_command, resolve_device, run_check
+    from parity.check import CheckPlan, render, rerun_command, run_check
 
-    device, reason = resolve_device(args.device)
-    if device is None:
-        print(f"fp8-parity check: cannot run here: {reason}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+    device = _device(args.device)
     candidate = load_impl(args.impl, form=args.form, recipe=args.recipe)
     reference = load_impl(args.against)
     cases = [parse_case_id(c) for c in args.case] if args.case else None
@@ -345,9 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ImplError, CaseError, UsageError) as err:
+    except (ImplError, CaseError, UsageError, HistoryError) as err:
         print(f"fp8-parity {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except CannotRun as err:
+        print(f"fp8-parity {args.command}: cannot run here: {err}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
 
 
 if __name__ == "__main__":

@@ -132,3 +132,10 @@ def test_git_bisect_names_the_first_bad_commit(tmp_path, monkeypatch, capsys):
     status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
     assert status == "" and "worktree" not in subprocess.run(["git", "worktree", "list"], cwd=repo,
                                                              capture_output=True, text=True).stdout.split("\n")[1:]
+
+
+def test_git_bisect_bad_input_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    assert main(["bisect", "--git", "HEAD~3", "HEAD", "--impl", "x.py:f", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "git rev-parse --show-toplevel failed" in err and "Traceback" not in err
