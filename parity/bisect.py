@@ -286,6 +286,8 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     reference_run = execute(plan.reference, data, record=not plan.reference.is_reference)
     result.evidence += [f"{v.metric}: {v.full_message}" for v in violations[:6] if v.metric != "scaled_mm_contract"]
     result.evidence += _call_differences(execution.calls, reference_run.calls, plan.reference.name)
+    result.evidence += [f"recorded call: {call.describe()}" for call in execution.calls
+                        if set(call.gemm.split("|")) & set(result.gemm)]
     for relation in RELATIONS:
         if relation.applies(case):
             outcome = check_relation(relation, plan.candidate, data, base=execution)

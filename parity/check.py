@@ -73,12 +73,6 @@ class CheckResult:
     error: str | None = None
     rerun: str | None = None
 
-    @property
-    def frame(self) -> pd.DataFrame:
-        frame = pd.DataFrame.from_records(self.rows)
-        frame.attrs["env"] = environment(self.device)
-        return frame
-
     def to_json(self) -> dict:
         return dict(
             verdict=self.verdict, impl=self.plan.candidate.name, reference=self.plan.reference.name,

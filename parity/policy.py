@@ -64,9 +64,6 @@ class Policy(str, enum.Enum):
     PAIRED = "paired"
 
 
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
 def default_policy(candidate_recipe: str, reference_name: str, reference_recipe: str) -> Policy:
     """The policy a (candidate, reference) pair is judged by unless the user names one."""
     if reference_name == "emulated":
