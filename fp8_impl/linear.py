@@ -57,7 +57,8 @@ class Float8LinearConfig:
         return Float8LinearConfig(recipe=Float8LinearRecipeName(name))
 
     def short_str(self) -> str:
-        return f"{self.recipe.value},acc:{'fast' if self.output_fast_accum else 'fp32'}/{'fast' if self.grad_fast_accum else 'fp32'}"
+        accumulation = lambda fast: "fast" if fast else "fp32"  # noqa: E731
+        return f"{self.recipe.value},acc:{accumulation(self.output_fast_accum)}/{accumulation(self.grad_fast_accum)}"
 
 
 def _check_features(in_features: int, out_features: int, where: str = "") -> None:
@@ -101,7 +102,8 @@ class Float8Linear(nn.Linear):
         if input.dim() < 2:
             raise ValueError(
                 f"fp8_impl: Float8Linear needs input with at least 2 dims [*, K] (M = product of the leading "
-                f"dims must be divisible by 16), got shape {tuple(input.shape)}; use input.unsqueeze(0) and a batch of 16")
+                f"dims must be divisible by 16), got shape {tuple(input.shape)}; use input.unsqueeze(0) and a "
+                f"batch of 16")
         if torch.is_autocast_enabled(input.device.type):  # mirror F.linear under autocast
             input = input.to(torch.get_autocast_dtype(input.device.type))
         lead_shape = input.shape[:-1]

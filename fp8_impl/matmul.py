@@ -155,7 +155,8 @@ def check_float8_operands(input_2d: torch.Tensor, weight: torch.Tensor, *, lead_
             f"reshape N-D input with input.reshape(-1, K) or use fp8_impl.Float8Linear")
     (M, K), (N, K_weight) = input_2d.shape, weight.shape
     if K != K_weight:
-        raise ValueError(f"fp8_impl: input has K={K} features but weight expects {K_weight} (weight shape {tuple(weight.shape)})")
+        raise ValueError(f"fp8_impl: input has K={K} features but weight expects {K_weight} "
+                         f"(weight shape {tuple(weight.shape)})")
     lead = f" (the product of the input's leading dims {tuple(lead_shape)})" if lead_shape is not None else ""
     for dim, value, role, fix in (
         ("M", M, f"tokens{lead}; the inner dim of grad_weight = grad_output.T @ input",

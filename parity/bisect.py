@@ -94,18 +94,21 @@ def _quantization_mistakes() -> list[WrongOracle]:
     for operand, right, wrong in (("input", "e4m3", E5M2), ("weight", "e4m3", E5M2), ("grad_output", "e5m2", E4M3)):
         other = "e5m2" if right == "e4m3" else "e4m3"
         mistakes += [
-            WrongOracle(f"{operand}_{other}", "fp8_dtype", operand, f"{operand} quantized to {other} instead of {right}",
+            WrongOracle(f"{operand}_{other}", "fp8_dtype", operand,
+                        f"{operand} quantized to {other} instead of {right}",
                         {operand: {"fp8": wrong}}),
             WrongOracle(f"{operand}_amax_without_abs", "scale", operand, f"{operand} amax = max(x), not max(|x|)",
                         {operand: {"absolute_amax": False}}),
             WrongOracle(f"{operand}_scale_bf16", "scale", operand, f"{operand} scale rounded to bfloat16",
                         {operand: {"scale_dtype": torch.bfloat16}}),
             WrongOracle(f"{operand}_scale_not_inverted", "scale", operand,
-                        f"the GEMM given {operand}'s scale instead of its inverse", {operand: {"inverse_scale": False}}),
+                        f"the GEMM given {operand}'s scale instead of its inverse",
+                        {operand: {"inverse_scale": False}}),
         ]
     mistakes += [
         WrongOracle("input_scaled_to_e5m2_max", "saturation", "input",
-                    "input scaled to e5m2's max (57344) and saturated at e4m3's 448", {"input": {"target_max": 57344.0}}),
+                    "input scaled to e5m2's max (57344) and saturated at e4m3's 448",
+                    {"input": {"target_max": 57344.0}}),
         WrongOracle("weight_scaled_to_e5m2_max", "saturation", "weight",
                     "weight scaled to e5m2's max and saturated at e4m3's 448", {"weight": {"target_max": 57344.0}}),
         WrongOracle("input_clamped_at_240", "saturation", "input", "input clamped at 240 (e4m3fnuz's max) on e4m3fn",
@@ -154,7 +157,8 @@ def nearest_wrong_oracle(case: Case, steps: Sequence[StepData], step_index: int,
 def _undo_conditions(case: Case) -> list[tuple[str, str, Case]]:
     """(trigger label, operand it points at, the case without that condition)."""
     undo = []
-    for attr, operand in (("input_layout", "input"), ("weight_layout", "weight"), ("grad_output_layout", "grad_output")):
+    layouts = (("input_layout", "input"), ("weight_layout", "weight"), ("grad_output_layout", "grad_output"))
+    for attr, operand in layouts:
         layout = getattr(case, attr)
         if layout is not Layout.CONTIGUOUS:
             undo.append((f"only with non-contiguous {operand} ({layout.name.lower()})", operand,
@@ -206,7 +210,8 @@ NUMERIC_METRICS = ("bitwise", "accumulation_bound", "sqnr_db", "paired_sqnr_db",
 
 
 def _is_contract_only(violation: Violation) -> bool:
-    return violation.metric == "contract" or (violation.metric == "bitwise" and str(violation.value).startswith("dtype"))
+    dtype_only = violation.metric == "bitwise" and str(violation.value).startswith("dtype")
+    return violation.metric == "contract" or dtype_only
 
 
 def _fails(plan: CheckPlan, case: Case, device: str) -> bool:

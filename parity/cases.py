@@ -205,7 +205,7 @@ def parse_case_id(case_id: str) -> Case:
             raise
         raise CaseError(
             f"case id {case_id!r}: cannot read {part!r} ({err}); layouts are "
-            f"{[l.value for l in Layout]}, distributions {[d.value for d in Dist]}; {ID_HELP}") from None
+            f"{[layout.value for layout in Layout]}, distributions {[d.value for d in Dist]}; {ID_HELP}") from None
     return Case(**fields)
 
 

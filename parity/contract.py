@@ -204,7 +204,8 @@ def contract_violations(tensor: torch.Tensor | TensorContract | None, expected: 
     if isinstance(tensor, torch.Tensor):
         tensor = TensorContract(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     if tensor is None:
-        return [f"{name} is None (nn.Linear gives a {_dtype_name(expected.dtype)} tensor of shape {list(expected.shape)})"]
+        return [f"{name} is None (nn.Linear gives a {_dtype_name(expected.dtype)} tensor of shape "
+                f"{list(expected.shape)})"]
     problems = []
     if tensor.dtype != expected.dtype:
         problems.append(f"{name} dtype is {_dtype_name(tensor.dtype)}, nn.Linear gives {_dtype_name(expected.dtype)}")

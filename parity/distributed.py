@@ -307,7 +307,8 @@ def _await_workers(processes, messages, world_size: int, deadline: float) -> _Fa
             if silent and messages.empty():
                 rank, code = silent[0]
                 raise DistributedRunError(f"rank {rank} exited with code {code} without reporting (killed, out of "
-                                          f"memory, crashed in native code, or failed to start: see its stderr)")
+                                          f"memory, crashed in native code, or failed to start: see its stderr)"
+                                          ) from None
             continue
         if message[0] == "done":
             done.add(message[1])

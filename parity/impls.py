@@ -229,13 +229,15 @@ def detect_form(target: Any) -> Form:
     if inspect.isclass(target):
         if issubclass(target, nn.Module) and callable(getattr(target, "from_float", None)):
             return Form.MODULE
-        raise ImplError(f"class {target.__name__} is not an nn.Module with a classmethod from_float(linear); {FORM_HELP}")
+        raise ImplError(f"class {target.__name__} is not an nn.Module with a classmethod from_float(linear); "
+                        f"{FORM_HELP}")
     if not callable(target):
         raise ImplError(f"{target!r} is not callable; {FORM_HELP}")
     try:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
-        raise ImplError(f"cannot read the signature of {target!r}; pass --form to say which form it is; {FORM_HELP}") from None
+        raise ImplError(f"cannot read the signature of {target!r}; pass --form to say which form it is; "
+                        f"{FORM_HELP}") from None
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     if len(required) == 2 or (len(required) < 2 <= len(positional)):

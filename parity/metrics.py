@@ -106,7 +106,8 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
     else:
         sqnr = 20 * math.log10(signal / noise)
     return dict(
-        bitwise=bool(bitwise), n_diff=int(n_diff), sqnr_db=sqnr, rel_l2=(noise / signal) if signal else (0.0 if noise == 0 else math.inf),
+        bitwise=bool(bitwise), n_diff=int(n_diff), sqnr_db=sqnr,
+        rel_l2=(noise / signal) if signal else (0.0 if noise == 0 else math.inf),
         max_abs_err=max_abs, max_abs_index=_unravel(int(argmax), tuple(candidate.shape)) if numel else (),
         worst_candidate=worst_c, worst_reference=worst_r,
         max_rel_err=max_rel, n_mismatch=int(n_mismatch), rtol=rtol, atol=atol,

@@ -182,7 +182,8 @@ def _mismatch(tensor: str, step: int, got: torch.Tensor | None, want: torch.Tens
                                                            sides=2)
         if ratio <= 1:
             return None
-        return f"{tensor} (step {step}): {beyond} elements beyond the accumulation bound (worst {ratio:.3g}x at {index})"
+        return (f"{tensor} (step {step}): {beyond} elements beyond the accumulation bound "
+                f"(worst {ratio:.3g}x at {index})")
     diff = torch.where(same, 0.0, torch.nan_to_num((got.double() - want.double()).abs(), nan=math.inf))
     index = tuple(int(i) for i in torch.unravel_index(diff.argmax().cpu(), tuple(got.shape)))
     return (f"{tensor} (step {step}): {int((diff != 0).sum())} of {got.numel()} elements differ "
@@ -224,7 +225,7 @@ def check_layout_invariance(impl: Impl, data: CaseData, layouts: tuple[Layout, L
     broken = [problem for step, (got, want) in enumerate(zip(other.steps, base.steps)) for tensor in case.tensors
               if (problem := _mismatch(tensor, step, got[tensor], want[tensor], reordered=tensor == "grad_bias",
                                        data=data, emulated=emulated))]
-    return RelationResult(f"layout {'/'.join(l.value for l in layouts)}", not broken, broken)
+    return RelationResult(f"layout {'/'.join(layout.value for layout in layouts)}", not broken, broken)
 
 
 def check_weight_update(impl: Impl, data: CaseData, *, base: Execution | None = None) -> RelationResult:

@@ -101,7 +101,7 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False) -> Execution:
             results = dict(output=output.detach(), grad_input=input.grad, grad_weight=weight.grad,
                            grad_bias=None if bias is None else bias.grad)
             result.steps.append(results)
-            result.layouts.append({name: None if t is None else TensorContract(t.dtype, tuple(t.shape), tuple(t.stride()))
+            result.layouts.append({name: t if t is None else TensorContract(t.dtype, tuple(t.shape), tuple(t.stride()))
                                    for name, t in results.items()})
     except Exception as err:  # noqa: BLE001 - an implementation that raises is a finding
         result.error = _describe_exception(err, where)
@@ -144,7 +144,8 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
     for step_index in range(case.steps):
         for tensor in case.tensors:
             row = dict(base, tensor=tensor, step=step_index, **{m: math.nan for m in METRICS})
-            row.update(bitwise=False, error=None, reference_error=None, contract="", scaled_mm="; ".join(gemm_problems.get(tensor, [])),
+            row.update(bitwise=False, error=None, reference_error=None, contract="",
+                       scaled_mm="; ".join(gemm_problems.get(tensor, [])),
                        bound_ratio=math.nan, n_beyond_bound=math.nan, bound_index=None)
             rows.append(row)
             if candidate.error or reference.error or step_index >= len(candidate.steps):

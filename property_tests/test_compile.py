@@ -50,8 +50,9 @@ def test_compiled_agreement(M, K, N, pytestconfig):
             module = torch.compile(module) if compiled else module
             results[(name, compiled)] = _run(module, linear, step.input, step.grad_output)
     rows, out_of_bound = [], []
-    pairs = [((SUITE.impl_spec, True), (SUITE.impl_spec, False)), ((SUITE.impl_spec, True), ("torchao:tensorwise", True)),
-             (("torchao:tensorwise", True), ("torchao:tensorwise", False))]
+    candidate, torchao = SUITE.impl_spec, "torchao:tensorwise"
+    pairs = [((candidate, True), (candidate, False)), ((candidate, True), (torchao, True)),
+             ((torchao, True), (torchao, False))]
     for (a, b) in pairs:
         for tensor in ("output", "grad_input", "grad_weight"):
             x, y = results[a][tensor], results[b][tensor]

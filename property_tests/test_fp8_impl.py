@@ -170,7 +170,8 @@ def test_tokens_not_divisible_by_16(lead, K, N, match):
         Float8Linear(K, N)(torch.randn(*lead, K))
 
 
-@pytest.mark.parametrize(("K", "N", "which"), [(20, 16, "in_features \\(K\\) = 20"), (32, 40, "out_features \\(N\\) = 40")])
+@pytest.mark.parametrize(("K", "N", "which"), [(20, 16, r"in_features \(K\) = 20"),
+                                               (32, 40, r"out_features \(N\) = 40")])
 def test_features_not_divisible_by_16(K, N, which):
     with pytest.raises(ValueError, match=f"{which} is not divisible by 16.*module_filter_fn"):
         convert_to_float8_training(nn.Sequential(nn.Linear(K, N)))
@@ -186,7 +187,8 @@ def test_convert_names_the_layer():
 @pytest.mark.parametrize(("x", "error", "match"), [
     (torch.randn(32), ValueError, r"at least 2 dims \[\*, K\].*got shape \(32,\)"),
     (torch.ones(16, 32, dtype=torch.int64), TypeError, "needs a floating-point input tensor, got torch.int64"),
-    (torch.randn(16, 32, dtype=torch.float64), TypeError, "dtype torch.float64 is not supported.*bfloat16, float16 or float32"),
+    (torch.randn(16, 32, dtype=torch.float64), TypeError,
+     "dtype torch.float64 is not supported.*bfloat16, float16 or float32"),
 ])
 def test_bad_input(x, error, match):
     with pytest.raises(error, match=match):

@@ -75,7 +75,7 @@ def test_accuracy_against_float64_and_exact_emulation(case):
 def test_layout_invariance(case, stored):
     result = check_layout_invariance(SUITE.candidate, SUITE.data(case), stored)
     if not result.holds:
-        SUITE.fail(f"the same logical tensors stored as in/w/go = {'/'.join(l.value for l in stored)} change "
+        SUITE.fail(f"the same logical tensors stored as in/w/go = {'/'.join(layout.value for layout in stored)} change "
                    f"the result", case, [result.error or "", *result.broken])
 
 
