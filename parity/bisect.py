@@ -130,19 +130,14 @@ WRONG_ORACLES: tuple[WrongOracle, ...] = (
 )
 
 
-def _rounded(value: torch.Tensor, case: Case, tensor: str, like: torch.Tensor) -> torch.Tensor:
-    for dtype in oracles.rounding_chain(case, tensor)[:1] + [like.dtype]:
-        value = value.to(dtype)
-    return value.reshape(like.shape)
-
-
 def nearest_wrong_oracle(case: Case, steps: Sequence[StepData], step_index: int, got: dict[str, torch.Tensor],
                          tensors: Sequence[str]):
     """(oracle, worst SQNR over `tensors`, the correct emulation's SQNR) for the wrong oracle
     closest to the candidate's results of call `step_index`; the oracle is None unless one
     matches (>= MATCH_DB, and >= 10 dB closer than the correct emulation)."""
     def closeness(results) -> float:
-        return min(compare(got[t], _rounded(results[t], case, t, got[t]))["sqnr_db"] for t in tensors)
+        return min(compare(got[t], oracles.rounded_like_result(results[t], case, t).reshape(got[t].shape))["sqnr_db"]
+                   for t in tensors)
     step, previous = steps[step_index], steps[step_index - 1] if step_index else None
     correct = closeness(oracles.emulate_linear(step.input, step.weight, step.grad_output).__dict__)
     scored = [(closeness(o.emulate(step, previous)), o) for o in WRONG_ORACLES if o.applies(case, step_index)]

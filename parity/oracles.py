@@ -200,6 +200,13 @@ def rounding_chain(case, tensor: str) -> list[torch.dtype]:
     return chain
 
 
+def rounded_like_result(value: torch.Tensor, case, tensor: str) -> torch.Tensor:
+    """An exact float64 result rounded the way an implementation writes it (rounding_chain)."""
+    for dtype in rounding_chain(case, tensor):
+        value = value.to(dtype)
+    return value
+
+
 def magnitude_of(step: EmulatedStep, step_data, tensor: str) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(|A| @ |B| of the tensor's GEMM, its inner dimension, its exact value before any rounding);
     grad_bias sums grad_output over M."""

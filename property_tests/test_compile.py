@@ -64,8 +64,8 @@ def test_compiled_agreement(M, K, N, pytestconfig):
             magnitude, inner, value = oracles.magnitude_of(exact, step, tensor)
             gamma = oracles.accumulation_gamma(inner, device_type="cuda", fast_accum=tensor == "output")
             ratio, beyond, _ = oracles.accumulation_excess(
-                got[tensor], _rounded(getattr(exact, tensor), case, tensor), magnitude=magnitude, gamma=gamma,
-                gemm_value=value, rounding_chain=oracles.rounding_chain(case, tensor))
+                got[tensor], oracles.rounded_like_result(getattr(exact, tensor), case, tensor), magnitude=magnitude,
+                gamma=gamma, gemm_value=value, rounding_chain=oracles.rounding_chain(case, tensor))
             if ratio > 1:
                 out_of_bound.append(f"{key} {tensor}: {beyond} elements beyond the bound (worst {ratio:.3g}x)")
     table = pd.DataFrame.from_records(rows)
@@ -78,10 +78,4 @@ def test_compiled_agreement(M, K, N, pytestconfig):
     assert not out_of_bound, out_of_bound
     versus_torchao = table[table["b"] == "torchao:tensorwise compiled"]
     assert versus_torchao["bitwise"].all(), versus_torchao.to_string()
-
-
-def _rounded(value: torch.Tensor, case: Case, tensor: str) -> torch.Tensor:
-    for dtype in oracles.rounding_chain(case, tensor):
-        value = value.to(dtype)
-    return value
 
