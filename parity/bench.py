@@ -18,39 +18,62 @@ How one configuration is timed (time_fwd_bwd)
 * torch.autograd.grad(output, [input, *params], grad_output) returns the gradients instead of
   accumulating them into .grad: no impl pays an accumulation kernel, none keeps old gradients.
   The input requires grad, so every impl computes grad_input too.
-* Median, p20 and p80 of `iters` iterations after `warmup`; peak memory is the rise of
+* Median, p20 and p80 of `iters` iterations after `warmup` (and at least WARMUP_S seconds of
+  warm-up, so that an idle GPU has raised its clocks); peak memory is the rise of
   torch.cuda.max_memory_allocated over the timed loop (inputs and weight excluded).
+
+Two times per row, because a single layer can be host-bound
+* median_ms (wall): as a training loop launches it, one step after another. When the host
+  needs longer to launch a step than the GPU needs to run it, the GPU waits and this is the
+  host's time. It is, for compiled FP8 layers near 1 ms: measured on the H200 machine (16 vCPU
+  VM), launching one compiled fwd+bwd takes 1.1-1.9 ms (cuLaunchKernel ~20 us, the AOTAutograd
+  runtime, the autograd engine), its kernels 0.4-0.8 ms; torchao's and fp8_impl's host paths
+  are the same torch code, so their wall ratio there measures the host's noise (+-30%).
+* gpu_ms (GPU): the durations of the step's kernels, memsets and copies as the profiler
+  (CUPTI) records them, summed (two passes in opposite orders, _measure_gpu): the GPU work of
+  the layer without launch gaps, what it costs inside a model whose other layers keep the GPU
+  busy. (Replaying the steps as a CUDA graph was tried first and dropped: on the H200 replays
+  of GEMM-heavy steps ran up to 16% slower than the same steps launched eagerly, bf16
+  included, so they did not time the kernels the loop runs.) host_ms is the host time to
+  queue one step (an upper bound on GPU-bound rows, whose launch queue may fill); `bound`
+  says which of the two sets the wall time. fraction_of_limit uses gpu_ms: the limit is the
+  GPU's.
 * Compiled: torch.compile(module, dynamic=False) once per shape and impl, COMPILE_RUNS calls to
-  compile forward and backward (`compile_s`), torch._dynamo.reset() around each configuration
+  compile forward and backward (`compile_s`), torch._dynamo.reset() around each shape x mode
   so no graph leaks into the next, and a raised recompile limit that fails rather than fall
   back to eager. A configuration that raises is a row with `error`, not a crash of the bench.
+* Interleaved: the impls of one shape x mode are built side by side and timed in ROUNDS
+  alternating blocks (A B C A B C ...), so a drift of clocks or host load over the seconds of
+  a run falls on every impl alike and the ratios, computed inside the run, stay fair.
 
 The roofline: limit_ms and fraction_of_limit
 Three ceilings are measured at the start of the run (Ceilings): fp8 torch._scaled_mm and bf16
 torch.mm TFLOP/s at 8192^3, and HBM bandwidth from a 1 GiB copy. fwd+bwd is 3 GEMMs, 6*M*K*N
 flops; an FP8 recipe also moves its quantization glue. With h bytes per high-precision element
-(2 for bf16), the fewest bytes of the tensorwise glue as these recipes structure it (glue_bytes):
-    input [M,K], weight [N,K], grad_output [M,N]: each read h (amax), read h + write 1 (cast)
-    weight^T, grad_output^T, input^T fp8 copies the SM90 layouts need: each read 1 + write 1
-    total = (2h + 3) * (M*K + N*K + M*N) bytes           (7 * (MK + NK + MN) for bf16)
+(2 for bf16), the fewest bytes of the tensorwise glue (glue_bytes):
+    input [M,K], weight [N,K], grad_output [M,N]: each read h (amax), then read h again and
+    write 1 + 1 (the cast writes both fp8 layouts the SM90 GEMMs need, row- and column-major,
+    from one read; each of the three operands is needed in both)
+    total = (2h + 2) * (M*K + N*K + M*N) bytes           (6 * (MK + NK + MN) for bf16)
+(Inductor generates exactly this for compiled fp8_impl and torchao; eager fp8_impl makes a
+separate transposed copy, one more read of 1 byte per element.)
 (the GEMMs' own operand reads and output writes are inside the GEMM time). limit_ms is this
 work back to back at the measured peaks: 6*M*K*N / fp8 rate + glue_bytes / bandwidth for FP8
 impls (rowwise too: its extra glue shows), 6*M*K*N / bf16 rate for bf16. fraction_of_limit =
-limit_ms / median_ms: 1 is as fast as the recipe can be on this GPU, 0.5 twice too slow;
-small shapes cannot fill the GPU, so their fraction is low by nature.
+limit_ms / gpu_ms: 1 is as fast as the recipe can be on this GPU, 0.5 twice too slow;
+small shapes cannot fill the GPU, so their fraction is low by nature. The GEMM rate is measured
+at one shape (8192^3), and cuBLAS runs a few others faster: measured up to 1.07 (Llama shapes).
 
-Time on an H200 (estimated, not yet measured; compilation dominates): ~1 s (bf16) to 5-10 s
-(FP8, most for torchao rowwise) per compile with a cold Inductor cache, ~15-25 s per shape for
-the four default impls in both modes; timing adds ~2 s per shape at warmup 5, iters 20. So
-nanochat (9 shapes) ~3 min, llama (8) ~3 min, small (6) ~2 min: ~7 min for all three cold,
-~3 min with a warm Inductor cache, under a minute with --compile off.
+Time on an H200 (measured, fresh machine, cold Inductor cache, fp8_impl + torchao tensorwise +
+bf16, warmup 10, iters 50, both modes): small (6 shapes) 98 s, nanochat (9) 124 s, llama (8)
+130 s; compilation is most of it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
@@ -69,8 +92,13 @@ from parity.sweep import llama3_shapes, nanochat_shapes
 
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "bf16")
 RATIO_REFERENCES = {"vs_torchao": "torchao:tensorwise", "vs_bf16": "bf16"}  # column -> impl
-COLUMNS = ["preset", "shape", "M", "K", "N", "impl", "compiled", "median_ms", "p20_ms", "p80_ms", "tflops",
-           "peak_mem_gb", "compile_s", "vs_torchao", "vs_bf16", "limit_ms", "fraction_of_limit", "error"]
+TIME_COLUMNS = {"median_ms": "", "gpu_ms": "gpu_"}  # time column -> prefix of its ratio columns
+COLUMNS = ["preset", "shape", "M", "K", "N", "impl", "compiled", "median_ms", "p20_ms", "p80_ms", "gpu_ms", "host_ms",
+           "bound", "tflops", "peak_mem_gb", "compile_s", "vs_torchao", "vs_bf16", "gpu_vs_torchao", "gpu_vs_bf16",
+           "limit_ms", "fraction_of_limit", "error", "gpu_error"]
+ROUNDS = 5  # interleaved timing blocks per configuration (_time_interleaved)
+SETTLE_S = 0.2  # idle seconds before each GPU-time measurement (_measure_gpu)
+WARMUP_S = 0.1  # seconds of warm-up at least: an idle H200 sits at 345 MHz and needs tens of ms to clock up
 DEFAULT_L2_BYTES = 60 * 2**20  # H200, when the driver does not report it
 COMPILE_RUNS = 3  # fwd+bwd calls that compile the forward and backward graphs
 CEILING_N, COPY_BYTES = 8192, 2**30
@@ -139,32 +167,76 @@ def require_gpu(device: str = "cuda") -> torch.device:
     return torch.device(device)
 
 
-def _event_times(step: Callable[[int], object], *, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of each of `iters` calls step(i) after `warmup` untimed ones (CUDA events)."""
-    for i in range(warmup):
+def _warm_up(step: Callable[[int], object], *, warmup: int, min_seconds: float = 0.0) -> int:
+    """Call step(i) `warmup` times, and more until `min_seconds` of GPU work have passed; returns the count."""
+    torch.cuda.synchronize()
+    start, i = time.perf_counter(), 0
+    while i < warmup or (time.perf_counter() - start < min_seconds and i < 10_000):
         step(i)
+        i += 1
+        if i >= warmup:
+            torch.cuda.synchronize()
+    return i
+
+
+def _event_times(step: Callable[[int], object], *, warmup: int, iters: int, min_warmup_s: float = 0.0,
+                 host_ms: list | None = None) -> list[float]:
+    """Milliseconds of each of `iters` calls step(i) after `warmup` untimed ones (CUDA events).
+    If `host_ms` is a list, the host time per call of the timed loop (before the final
+    synchronize) is appended to it."""
+    first = _warm_up(step, warmup=warmup, min_seconds=min_warmup_s) if warmup or min_warmup_s else 0
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    host_start = time.perf_counter()
     for i, (start, end) in enumerate(events):
         start.record()
-        step(warmup + i)
+        step(first + i)
         end.record()
+    if host_ms is not None and iters:
+        host_ms.append((time.perf_counter() - host_start) * 1e3 / iters)
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in events]
 
 
+def _fwd_bwd_step(module: nn.Module, inputs_pool: Sequence[torch.Tensor], grad_pool: Sequence[torch.Tensor]):
+    """step(i): forward+backward on pool pair i % len; returns (grad_input, *grad_params)."""
+    if not all(x.requires_grad for x in inputs_pool):
+        raise ValueError("time_fwd_bwd: the inputs must require grad, so that grad_input is computed")
+    if len(inputs_pool) != len(grad_pool):
+        raise ValueError(f"time_fwd_bwd: {len(inputs_pool)} inputs but {len(grad_pool)} grad_outputs; pair them")
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step(i: int):
+        x = inputs_pool[i % len(inputs_pool)]
+        return torch.autograd.grad(module(x), [x, *params], grad_pool[i % len(grad_pool)])
+    return step
+
+
 def time_fwd_bwd(module: nn.Module, inputs_pool: Sequence[torch.Tensor], grad_pool: Sequence[torch.Tensor], *,
-                 warmup: int = 5, iters: int = 20) -> list[float]:
+                 warmup: int = 5, iters: int = 20, min_warmup_s: float = 0.0,
+                 host_ms: list | None = None) -> list[float]:
     """Milliseconds of each timed forward+backward of `module`; iteration i reads inputs_pool[i %
     len] (leaf tensors that require grad) and grad_pool[i % len]. Gradients of the input and of
     every trainable parameter are computed and dropped, never accumulated into .grad."""
-    if not all(x.requires_grad for x in inputs_pool):
-        raise ValueError("time_fwd_bwd: the inputs must require grad, so that grad_input is computed")
-    params = [p for p in module.parameters() if p.requires_grad]
+    return _event_times(_fwd_bwd_step(module, inputs_pool, grad_pool), warmup=warmup, iters=iters,
+                        min_warmup_s=min_warmup_s, host_ms=host_ms)
 
-    def step(i: int) -> None:
-        x = inputs_pool[i % len(inputs_pool)]
-        torch.autograd.grad(module(x), [x, *params], grad_pool[i % len(grad_pool)])
-    return _event_times(step, warmup=warmup, iters=iters)
+
+def kernel_ms_per_step(module: nn.Module, inputs_pool: Sequence[torch.Tensor], grad_pool: Sequence[torch.Tensor],
+                       *, steps: int = 20) -> float:
+    """GPU milliseconds per forward+backward with the host out of the way: the durations of every
+    kernel, memset and copy of `steps` steps, as the profiler (CUPTI) records them, summed and
+    divided by `steps`. Launch gaps do not count; the kernels are the ones the timed loop runs."""
+    step = _fwd_bwd_step(module, inputs_pool, grad_pool)
+    _warm_up(step, warmup=2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    device_us = sum(event.self_device_time_total for event in profile.key_averages()
+                    if event.device_type == torch.autograd.DeviceType.CUDA)
+    if not device_us:
+        raise RuntimeError("the profiler recorded no GPU activity (is CUPTI available?)")
+    return device_us / steps / 1e3
 
 
 def pool_size(set_bytes: int, l2_bytes: int) -> int:
@@ -188,7 +260,7 @@ def make_pools(M: int, K: int, N: int, *, dtype: torch.dtype, device, l2_bytes: 
 def measure_ceilings(device, *, warmup: int = 5, iters: int = 20) -> Ceilings:
     """fp8 and bf16 GEMM TFLOP/s and copy bandwidth (GB/s), medians of CUDA-event timings."""
     def median_ms(fn: Callable[[], object]) -> float:
-        return float(np.median(_event_times(lambda i: fn(), warmup=warmup, iters=iters)))
+        return float(np.median(_event_times(lambda i: fn(), warmup=warmup, iters=iters, min_warmup_s=WARMUP_S)))
     n = CEILING_N
     a = torch.randn(n, n, device=device).to(E4M3)
     b = torch.randn(n, n, device=device).to(E4M3).t()  # column-major, as SM90 requires of B
@@ -207,8 +279,8 @@ def measure_ceilings(device, *, warmup: int = 5, iters: int = 20) -> Ceilings:
 def glue_bytes(M: int, K: int, N: int, *, hp_bytes: int = 2) -> int:
     """The fewest bytes the tensorwise quantization glue moves per fwd+bwd (module docstring)."""
     elements = M * K + N * K + M * N  # input, weight, grad_output
-    amax_reads, casts, transposed_fp8_copies = hp_bytes * elements, (hp_bytes + 1) * elements, 2 * elements
-    return amax_reads + casts + transposed_fp8_copies
+    amax_reads, cast_reads, fp8_writes_in_two_layouts = hp_bytes * elements, hp_bytes * elements, 2 * elements
+    return amax_reads + cast_reads + fp8_writes_in_two_layouts
 
 
 def limit_ms(M: int, K: int, N: int, ceilings: Ceilings, *, fp8: bool, hp_bytes: int = 2) -> float:
@@ -226,44 +298,116 @@ def _limit_of(impl: Impl, M: int, K: int, N: int, ceilings: Ceilings, dtype: tor
 
 
 def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
-    """vs_torchao, vs_bf16: time of that reference / time of the row, on the same preset, shape
-    and compile mode (> 1: the row is faster); NaN where the reference did not run."""
+    """vs_torchao, vs_bf16 (wall) and gpu_vs_torchao, gpu_vs_bf16 (GPU work): time of that
+    reference / time of the row, on the same preset, shape and compile mode (> 1: the row is
+    faster); NaN where either did not run."""
     groups = [frame[key] for key in ("preset", "shape", "compiled")]
-    for column, reference in RATIO_REFERENCES.items():
-        reference_ms = frame["median_ms"].where(frame["impl"] == reference).groupby(groups).transform("first")
-        frame = frame.assign(**{column: reference_ms / frame["median_ms"]})
+    for time_column, prefix in TIME_COLUMNS.items():
+        for column, reference in RATIO_REFERENCES.items():
+            reference_ms = frame[time_column].where(frame["impl"] == reference).groupby(groups).transform("first")
+            frame = frame.assign(**{prefix + column: reference_ms / frame[time_column]})
     return frame
 
 
-def _measure(impl: Impl, M: int, K: int, N: int, pools, *, compiled: bool, device, warmup: int, iters: int) -> dict:
-    """Timing, throughput, memory and compile time of one configuration; `error` if it raised."""
-    torch._dynamo.reset()
-    phase, compile_s = "build", math.nan
+@dataclass
+class _Config:
+    """One implementation built (and compiled) at one shape, and what its timing gathered."""
+
+    impl: Impl
+    module: nn.Module | None = None
+    inputs: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    compile_s: float = math.nan
+    error: str | None = None
+    times: list = field(default_factory=list)
+    host: list = field(default_factory=list)
+    peak_gb: float = 0.0
+    gpu: list = field(default_factory=list)  # ms of kernels per step, one entry per pass
+    gpu_error: str | None = None
+
+
+def _prepare(impl: Impl, K: int, N: int, pools, *, compiled: bool, device) -> _Config:
+    """Build `impl` for a K->N layer, in its compute dtype, and compile it (COMPILE_RUNS calls)."""
+    config, phase = _Config(impl), "build"
     try:
         inputs, grads = pools
         dtype = impl.compute_dtype or inputs[0].dtype
         if dtype != inputs[0].dtype:
             inputs = [x.detach().to(dtype).requires_grad_() for x in inputs]
             grads = [g.to(dtype) for g in grads]
+        config.inputs, config.grads = inputs, grads
         torch.manual_seed(0)
-        module, _, _ = impl.build(nn.Linear(K, N, bias=False, device=device, dtype=dtype))
+        config.module, _, _ = impl.build(nn.Linear(K, N, bias=False, device=device, dtype=dtype))
         if compiled:
             phase, start = "compile", time.perf_counter()
-            module = torch.compile(module, dynamic=False)
-            time_fwd_bwd(module, inputs, grads, warmup=COMPILE_RUNS, iters=0)
-            compile_s = time.perf_counter() - start
-        phase = "run"
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        times = time_fwd_bwd(module, inputs, grads, warmup=warmup, iters=iters)
-        peak_gb = (torch.cuda.max_memory_allocated(device) - base) / 1e9
+            config.module = torch.compile(config.module, dynamic=False)
+            time_fwd_bwd(config.module, inputs, grads, warmup=COMPILE_RUNS, iters=0)
+            config.compile_s = time.perf_counter() - start
     except Exception as err:  # noqa: BLE001 - any failure is this configuration's result
-        return {"error": f"{phase}: {type(err).__name__}: {' '.join(str(err).split())}"[:500]}
-    finally:
-        torch._dynamo.reset()
-    p20, median, p80 = np.percentile(times, [20, 50, 80])
-    return dict(median_ms=median, p20_ms=p20, p80_ms=p80, tflops=6 * M * K * N / median / 1e9,
-                peak_mem_gb=peak_gb, compile_s=compile_s, error=None)
+        config.error = f"{phase}: {_describe(err)}"
+    return config
+
+
+def _time_interleaved(configs: Sequence[_Config], *, device, warmup: int, iters: int) -> None:
+    """Event timings of every configuration, in ROUNDS interleaved blocks whose order rotates
+    (A B C, B C A, C A B, ...), so that a drift of the GPU clock or of the host's speed, and
+    the state the previous block leaves the GPU in, fall on all of them alike."""
+    blocks = [size for size in (iters // ROUNDS + (r < iters % ROUNDS) for r in range(ROUNDS)) if size]
+    for block, size in enumerate([0, *blocks]):  # block 0: each one's warm-up
+        for config in _rotated(configs, block):
+            if config.error is not None:
+                continue
+            try:
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                config.times += time_fwd_bwd(config.module, config.inputs, config.grads, iters=size,
+                                             warmup=warmup if block == 0 else 1,
+                                             min_warmup_s=WARMUP_S if block == 0 else 0.0, host_ms=config.host)
+                config.peak_gb = max(config.peak_gb, (torch.cuda.max_memory_allocated(device) - base) / 1e9)
+            except Exception as err:  # noqa: BLE001
+                config.error = f"run: {_describe(err)}"
+
+
+def _rotated(configs: Sequence[_Config], by: int) -> list[_Config]:
+    by %= max(1, len(configs))
+    return [*configs[by:], *configs[:by]]
+
+
+def _measure_gpu(configs: Sequence[_Config], *, device, iters: int) -> None:
+    """GPU (kernel) time of every configuration, in two passes of iters/2 steps, the second in
+    reverse order, each measurement after SETTLE_S idle. Measured on the H200 in one fixed order
+    right after the event timings, the first configuration's kernels ran 3-18% slower than its
+    own event timings said (a GPU at its power limit) and the others' 1-6% faster: the order
+    and the idle before each measurement must not pick a winner."""
+    steps = max(1, iters // 2)
+    for order in (list(configs), list(configs)[::-1]):
+        for config in order:
+            if config.error is not None or config.gpu_error is not None:
+                continue
+            try:
+                torch.cuda.synchronize(device)
+                time.sleep(SETTLE_S)
+                config.gpu.append(kernel_ms_per_step(config.module, config.inputs, config.grads, steps=steps))
+            except Exception as err:  # noqa: BLE001 - a profiler failure costs the GPU-time column only
+                torch.cuda.synchronize(device)
+                config.gpu_error = _describe(err)
+
+
+def _result(config: _Config, M: int, K: int, N: int) -> dict:
+    """The row of one configuration: its event times, its GPU (kernel) time, or its error."""
+    if config.error is not None:
+        return {"error": config.error}
+    gpu_ms = float(np.mean(config.gpu)) if config.gpu and config.gpu_error is None else math.nan
+    p20, median, p80 = np.percentile(config.times, [20, 50, 80])
+    host_ms = float(np.median(config.host)) if config.host else math.nan
+    return dict(median_ms=median, p20_ms=p20, p80_ms=p80, gpu_ms=gpu_ms, host_ms=host_ms,
+                bound=None if math.isnan(gpu_ms) else ("host" if host_ms > gpu_ms else "gpu"),
+                tflops=6 * M * K * N / median / 1e9, peak_mem_gb=config.peak_gb, compile_s=config.compile_s,
+                error=None, gpu_error=config.gpu_error)
+
+
+def _describe(err: Exception) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:500]
 
 
 def run_bench(presets: Sequence[BenchPreset], impls: Sequence[Impl], *, compile_modes: Sequence[bool] = (False, True),
@@ -282,18 +426,23 @@ def run_bench(presets: Sequence[BenchPreset], impls: Sequence[Impl], *, compile_
             for label, M, K, N in preset.shapes:
                 pools = make_pools(M, K, N, dtype=preset.dtype, device=device, l2_bytes=l2_bytes)
                 for compiled in compile_modes:
-                    for impl in impls:
-                        limit = _limit_of(impl, M, K, N, ceilings, preset.dtype)
-                        measured = _measure(impl, M, K, N, pools, compiled=compiled, device=device,
-                                            **runs[preset.name])
-                        records.append(dict(preset=preset.name, shape=label, M=M, K=K, N=N, impl=impl.name,
-                                            compiled=compiled, limit_ms=limit, **measured))
-                        if progress is not None:
-                            progress(len(records), total, time.perf_counter() - start)
+                    torch._dynamo.reset()  # nothing compiled for another shape or mode is reused
+                    configs = [_prepare(impl, K, N, pools, compiled=compiled, device=device) for impl in impls]
+                    _time_interleaved(configs, device=device, **runs[preset.name])
+                    _measure_gpu(configs, device=device, iters=runs[preset.name]["iters"])
+                    for config in configs:
+                        measured = _result(config, M, K, N)
+                        records.append(dict(preset=preset.name, shape=label, M=M, K=K, N=N, impl=config.impl.name,
+                                            compiled=compiled, **measured,
+                                            limit_ms=_limit_of(config.impl, M, K, N, ceilings, preset.dtype)))
+                    del configs
+                    torch._dynamo.reset()
+                    if progress is not None:
+                        progress(len(records), total, time.perf_counter() - start)
                 del pools
                 torch.cuda.empty_cache()
     frame = add_ratios(pd.DataFrame.from_records(records, columns=COLUMNS))
-    frame["fraction_of_limit"] = frame["limit_ms"] / frame["median_ms"]
+    frame["fraction_of_limit"] = frame["limit_ms"] / frame["gpu_ms"]
     frame.attrs["env"] = {**environment(device), **asdict(ceilings), "l2_bytes": l2_bytes,
                           "warmup+iters": ", ".join(f"{name} {r['warmup']}+{r['iters']}" for name, r in runs.items()),
                           "seconds": round(time.perf_counter() - start, 1)}
@@ -307,17 +456,26 @@ def _geomean(values: pd.Series) -> str:
     return f"{math.exp(np.log(values).mean()):.2f}x" if len(values) else "n/a"
 
 
+def _speedups(rows: pd.DataFrame, prefix: str) -> str:
+    """'1.04x (min 0.81x) vs torchao:tensorwise, 1.11x vs bf16' for one time column's ratios."""
+    worst = rows[prefix + "vs_torchao"].min()
+    worst = f" (min {worst:.2f}x)" if not math.isnan(worst) else ""
+    return (f"{_geomean(rows[prefix + 'vs_torchao'])}{worst} vs torchao:tensorwise, "
+            f"{_geomean(rows[prefix + 'vs_bf16'])} vs bf16")
+
+
 def bench_verdict(frame: pd.DataFrame, *, candidate: str | None = None) -> report.Verdict:
-    """The headline: `candidate`'s (default: the first impl) geometric-mean speedups per mode;
-    ok when every configuration ran, else one detail line per failure."""
+    """The headline: `candidate`'s (default: the first impl) geometric-mean speedups per mode, by
+    wall time and by GPU time; ok when every configuration ran, else one line per failure."""
     candidate = candidate or frame["impl"].iloc[0]
     mine = frame[(frame["impl"] == candidate) & frame["error"].isna()]
-    modes = [f"{'compiled' if compiled else 'eager'} {_geomean(rows['vs_torchao'])} vs torchao:tensorwise, "
-             f"{_geomean(rows['vs_bf16'])} vs bf16, median {rows['fraction_of_limit'].median():.0%} of the limit"
+    modes = [f"{'compiled' if compiled else 'eager'}: wall {_speedups(rows, '')}; GPU {_speedups(rows, 'gpu_')}; "
+             f"median {rows['fraction_of_limit'].median():.0%} of the limit; "
+             f"{(rows['bound'] == 'host').sum()}/{len(rows)} host-bound"
              for compiled, rows in mine.groupby("compiled")]
     failed = frame[frame["error"].notna()]
     headline = (f"{candidate} fwd+bwd over {mine['shape'].nunique()} shapes (geometric mean): "
-                + ("; ".join(modes) or "no configuration ran")
+                + (" | ".join(modes) or "no configuration ran")
                 + (f"; {len(failed)} configurations failed" if len(failed) else ""))
     return report.Verdict(failed.empty, headline, [f"{row.shape} {row.impl} {'compiled' if row.compiled else 'eager'}: "
                                                    f"{row.error}" for row in failed.itertuples()])
@@ -331,14 +489,23 @@ def bench_tables(frame: pd.DataFrame) -> list[tuple[str, str | None, pd.DataFram
         table = rows.pivot_table(index=["shape", "mode"], columns="impl", values=value, sort=False, dropna=False)
         return table.reindex(columns=list(frame["impl"].unique()))
     sections = [
-        ("Forward + backward, median ms", "CUDA events; inputs rotate over a pool larger than L2.",
-         by_shape("median_ms")),
-        ("Speedup vs torchao:tensorwise", "time of torchao:tensorwise / time of the impl; > 1 is faster.",
+        ("Forward + backward, median ms (wall)", "CUDA events around each step as a training loop launches it; "
+         "inputs rotate over a pool larger than L2. Host-bound rows time the host.", by_shape("median_ms")),
+        ("Forward + backward, ms of GPU work", "the kernels of one step, summed from a profile (CUPTI): the time "
+         "without launch gaps.", by_shape("gpu_ms")),
+        ("Host ms to launch one step", "above the GPU time: the row is host-bound (`bound`).", by_shape("host_ms")),
+        ("Speedup vs torchao:tensorwise (wall)", "time of torchao:tensorwise / time of the impl; > 1 is faster.",
          by_shape("vs_torchao")),
-        ("Speedup vs bf16", "time of bf16 nn.Linear / time of the impl; > 1 is faster.", by_shape("vs_bf16")),
-        ("Fraction of the limit", "limit_ms / median_ms: 3 GEMMs at the measured peak + the fewest bytes of the "
+        ("Speedup vs torchao:tensorwise (GPU)", "the same from the GPU work.", by_shape("gpu_vs_torchao")),
+        ("Speedup vs bf16 (wall)", "time of bf16 nn.Linear / time of the impl; > 1 is faster.", by_shape("vs_bf16")),
+        ("Speedup vs bf16 (GPU)", "the same from the GPU work.", by_shape("gpu_vs_bf16")),
+        ("Fraction of the limit", "limit_ms / gpu_ms: 3 GEMMs at the measured peak + the fewest bytes of the "
          "tensorwise glue at the measured bandwidth (bf16: 3 GEMMs at the bf16 peak).", by_shape("fraction_of_limit")),
     ]
+    gpu_errors = frame[frame["gpu_error"].notna() & frame["error"].isna()]
+    if len(gpu_errors):
+        sections.append(("GPU-time failures", "these rows have no GPU time",
+                         gpu_errors[["shape", "impl", "compiled", "gpu_error"]].reset_index(drop=True)))
     env = frame.attrs.get("env", {})
     if all(key in env for key in Ceilings.__dataclass_fields__):
         ceilings = Ceilings(**{key: env[key] for key in Ceilings.__dataclass_fields__})
@@ -346,20 +513,22 @@ def bench_tables(frame: pd.DataFrame) -> list[tuple[str, str | None, pd.DataFram
     return sections
 
 
-def plot_speedup(fig: Figure, frame: pd.DataFrame) -> None:
-    """Speedup vs torchao:tensorwise per shape, one bar per implementation, eager and compiled."""
+def plot_speedup(fig: Figure, frame: pd.DataFrame, *, column: str = "vs_torchao", what: str = "wall") -> None:
+    """Speedup vs torchao:tensorwise per shape (`column`: by wall or GPU time), one bar per
+    implementation, eager and compiled."""
     modes, impls, shapes = (sorted(frame["compiled"].unique()), list(frame["impl"].unique()),
                             list(frame["shape"].unique()))
     fig.set_size_inches(4.5 * len(modes) + 2, 0.18 * len(shapes) * len(impls) + 1.5)
-    axes = fig.subplots(1, len(modes), sharex=True, sharey=True, squeeze=False)[0]
+    axes = fig.subplots(1, len(modes), sharey=True, squeeze=False)[0]  # own x scale: compiled ratios sit near 1
     height, y = 0.8 / len(impls), np.arange(len(shapes))
     for ax, compiled in zip(axes, modes):
-        speedup = frame[frame["compiled"] == compiled].set_index(["shape", "impl"])["vs_torchao"]
+        speedup = frame[frame["compiled"] == compiled].set_index(["shape", "impl"])[column]
         for i, impl in enumerate(impls):
             ax.barh(y + i * height, [speedup.get((shape, impl), np.nan) for shape in shapes], height, label=impl,
                     color=f"C{i}")
         ax.axvline(1, color="black", lw=0.8)
-        ax.set(title="compiled" if compiled else "eager", xlabel="speedup vs torchao:tensorwise (> 1: faster)")
+        ax.set(title=f"{'compiled' if compiled else 'eager'} ({what} time)",
+               xlabel="speedup vs torchao:tensorwise (> 1: faster)")
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(y + 0.4 - height / 2, shapes, fontsize=8)
     axes[0].invert_yaxis()
@@ -372,4 +541,6 @@ def write_bench_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str =
     through parity.report's one writer with the benchmark's own tables and verdict."""
     return report.write_report(frame, out_dir, title=title, verdict=verdict or bench_verdict(frame),
                                tables=bench_tables(frame), plots=False,
-                               extra_plots={"speedup_vs_torchao.png": partial(plot_speedup, frame=frame)})
+                               extra_plots={"speedup_vs_torchao.png": partial(plot_speedup, frame=frame),
+                                            "gpu_speedup_vs_torchao.png": partial(plot_speedup, frame=frame,
+                                                                                  column="gpu_vs_torchao", what="GPU")})

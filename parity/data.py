@@ -8,7 +8,7 @@ implementation then gets its own fresh copies in the case's memory layouts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class CaseData:
     steps: list[StepData]
     bias: torch.Tensor | None  # [N], weight dtype
     host: "CaseData | None" = None  # the same tensors on the CPU (None when these are the CPU's)
+    # The exact emulation of every step (parity.runner.emulated_steps), computed once per case and
+    # place however many implementations are compared against it.
+    emulated: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:

@@ -123,6 +123,14 @@ def _move_to_host(execution: Execution) -> None:
             execution.steps[step][name] = host.reshape(t.shape)
 
 
+def emulated_steps_of(data: CaseData) -> list[oracles.EmulatedStep]:
+    """The exact emulation of every step of `data`, computed on first use and kept with it (a sweep
+    compares several implementations against it on each case)."""
+    if data.emulated is None:
+        data.emulated = [oracles.emulate_linear(s.input, s.weight, s.grad_output) for s in data.steps]
+    return data.emulated
+
+
 def compare_executions(data: CaseData, candidate: Execution, reference: Execution, *,
                        device_type: str) -> list[dict]:
     """Rows of `candidate` against `reference` for every tensor and step of the case."""
@@ -139,7 +147,7 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
     if reference.impl.name == "emulated" and not (candidate.error or reference.error):
         host = candidate.steps and candidate.steps[0]["output"].device.type == "cpu"
         data = data.on_host() if host else data  # the emulation is exact: it runs where the results are
-        emulated_steps = [oracles.emulate_linear(s.input, s.weight, s.grad_output) for s in data.steps]
+        emulated_steps = emulated_steps_of(data)
     rows = []
     for step_index in range(case.steps):
         for tensor in case.tensors:

@@ -93,3 +93,19 @@ def test_describe_mismatch_reads_like_assert_close():
     text = describe_mismatch(row, allowed="bitwise equal")
     assert "Mismatched elements: 1 / 16 (6.2%)" in text
     assert "Greatest absolute difference: 0.5 at index (2, 3)" in text and "Allowed: bitwise equal" in text
+
+
+def test_the_exact_emulation_runs_once_per_case_for_any_number_of_impls(monkeypatch):
+    """Sweeps compare many impls against `emulated`: its bound's emulation is computed once per step."""
+    from parity.cases import Case
+    from parity.impls import load_impl
+    from parity.runner import run_case
+    calls = []
+    real = oracles.emulate_linear
+    monkeypatch.setattr(oracles, "emulate_linear", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    case = Case(lead=(16,), K=32, N=16, steps=2)
+    rows = run_case(case, [load_impl("fp8_impl"), load_impl("torchao:tensorwise"), load_impl("bf16")],
+                    [load_impl("emulated")])
+    assert len(calls) == case.steps
+    bounded = [row for row in rows if row["impl"] != "bf16" and row["tensor"] != "grad_bias"]
+    assert bounded and all(row["bound_ratio"] <= 1 for row in bounded)  # the shared emulation still bounds them
