@@ -26,9 +26,10 @@ Two times per row, because a single layer can be host-bound
 * median_ms (wall): as a training loop launches it, one step after another. When the host
   needs longer to launch a step than the GPU needs to run it, the GPU waits and this is the
   host's time. It is, for compiled FP8 layers near 1 ms: measured on the H200 machine (16 vCPU
-  VM), launching one compiled fwd+bwd takes 1.1-1.9 ms (cuLaunchKernel ~20 us, the AOTAutograd
-  runtime, the autograd engine), its kernels 0.4-0.8 ms; torchao's and fp8_impl's host paths
-  are the same torch code, so their wall ratio there measures the host's noise (+-30%).
+  VM), launching one compiled fwd+bwd takes 0.9-1.9 ms (cuLaunchKernel ~20 us, the AOTAutograd
+  runtime, the autograd engine), the kernels of the host-bound rows 0.05-1.3 ms; torchao's and
+  fp8_impl's host paths are the same torch code (Inductor emits the same program for both), so
+  their wall ratio there measures the host's noise: their launch times differed by 0.71x-1.34x.
 * gpu_ms (GPU): the durations of the step's kernels, memsets and copies as the profiler
   (CUPTI) records them, summed (two passes in opposite orders, _measure_gpu): the GPU work of
   the layer without launch gaps, what it costs inside a model whose other layers keep the GPU
@@ -43,8 +44,8 @@ Two times per row, because a single layer can be host-bound
   so no graph leaks into the next, and a raised recompile limit that fails rather than fall
   back to eager. A configuration that raises is a row with `error`, not a crash of the bench.
 * Interleaved: the impls of one shape x mode are built side by side and timed in ROUNDS
-  alternating blocks (A B C A B C ...), so a drift of clocks or host load over the seconds of
-  a run falls on every impl alike and the ratios, computed inside the run, stay fair.
+  blocks whose order rotates (A B C, B C A, ...), so a drift of clocks or host load over the
+  seconds of a run falls on every impl alike and the ratios, computed inside the run, stay fair.
 
 The roofline: limit_ms and fraction_of_limit
 Three ceilings are measured at the start of the run (Ceilings): fp8 torch._scaled_mm and bf16
