@@ -124,8 +124,8 @@ def pytest_sessionfinish(session, exitstatus):
     from parity.report import verdict, write_report
     frame = pd.DataFrame.from_records(suite.SUITE.rows)
     frame.attrs["env"] = environment(suite.SUITE.device)
-    judged = verdict(frame, candidate=suite.SUITE.candidate.name, parity_reference=suite.SUITE.reference.name)
+    judged = verdict(frame, candidate=suite.SUITE.candidate.name)
     write_report(frame, out, title=f"fp8-parity property suite: {suite.SUITE.candidate.name}",
-                 candidate=suite.SUITE.candidate.name, parity_reference=suite.SUITE.reference.name, verdict=judged)
+                 candidate=suite.SUITE.candidate.name, verdict=judged)
     session.config.get_terminal_writer().line(f"parity report: {out}/summary.md ({judged.headline})")
 

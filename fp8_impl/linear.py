@@ -10,69 +10,28 @@ change:
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from fp8_impl.matmul import GEMM_ALIGNMENT, check_float8_operands, float8_matmul
+from fp8_impl.config import Float8LinearConfig
+from fp8_impl.matmul import check_float8_operands, float8_matmul
 
 
-class Float8LinearRecipeName(enum.Enum):
-    """Recipes fp8_impl implements (torchao also has "rowwise" and "rowwise_with_gw_hp")."""
-
-    TENSORWISE = "tensorwise"
-
-
-@dataclass(frozen=True)
-class Float8LinearConfig:
-    """How the three GEMMs run. Defaults are torchao's tensorwise recipe.
-
-    output_fast_accum: fast (lower-precision) accumulation in the forward GEMM.
-    grad_fast_accum: the same for grad_input and grad_weight (off: gradients need fp32 sums).
-    """
-
-    recipe: Float8LinearRecipeName = Float8LinearRecipeName.TENSORWISE
-    output_fast_accum: bool = True
-    grad_fast_accum: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.recipe, Float8LinearRecipeName):
-            raise TypeError(f"Float8LinearConfig.recipe must be a Float8LinearRecipeName, got {self.recipe!r}")
-        for name in ("output_fast_accum", "grad_fast_accum"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Float8LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
-
-    @staticmethod
-    def from_recipe_name(recipe_name) -> "Float8LinearConfig":
-        """The config of a named recipe (a Float8LinearRecipeName or its string value)."""
-        supported = [r.value for r in Float8LinearRecipeName]
-        name = recipe_name.value if isinstance(recipe_name, enum.Enum) else recipe_name
-        if name not in supported:
-            raise ValueError(
-                f"fp8_impl supports the recipes {supported}, got {name!r}. For rowwise scaling use "
-                f"torchao.float8 (convert_to_float8_training with Float8LinearConfig.from_recipe_name({name!r})).")
-        return Float8LinearConfig(recipe=Float8LinearRecipeName(name))
-
-    def short_str(self) -> str:
-        accumulation = lambda fast: "fast" if fast else "fp32"  # noqa: E731
-        return f"{self.recipe.value},acc:{accumulation(self.output_fast_accum)}/{accumulation(self.grad_fast_accum)}"
-
-
-def _check_features(in_features: int, out_features: int, where: str = "") -> None:
+def _check_features(in_features: int, out_features: int, config: Float8LinearConfig, where: str = "") -> None:
+    align = config.alignment
     for name, value in (("in_features (K)", in_features), ("out_features (N)", out_features)):
-        if value % GEMM_ALIGNMENT:
+        if value % align:
             raise ValueError(
-                f"fp8_impl: {where}{name} = {value} is not divisible by {GEMM_ALIGNMENT}, which torch._scaled_mm "
-                f"requires. Fix: pad it to a multiple of {GEMM_ALIGNMENT}, or skip this layer with "
+                f"fp8_impl: {where}{name} = {value} is not divisible by {align}, which the {config.recipe.value} "
+                f"recipe requires. Fix: pad it to a multiple of {align}, or skip this layer with "
                 f"convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "
-                f"mod.in_features % 16 == 0 and mod.out_features % 16 == 0)")
+                f"mod.in_features % {align} == 0 and mod.out_features % {align} == 0)")
 
 
 class Float8Linear(nn.Linear):
-    """nn.Linear whose three GEMMs run in FP8 (tensorwise dynamic scaling).
+    """nn.Linear whose three GEMMs run in FP8 (dynamic scaling; the recipe is `config`'s).
 
     Accepts any number of leading batch dims; bf16/fp16/fp32 input; bf16/fp16/fp32 weight.
     Output dtype is the input's, gradients have the dtypes of input, weight and bias, as
@@ -80,9 +39,10 @@ class Float8Linear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, config=None):
-        _check_features(in_features, out_features)
+        config = config if config is not None else Float8LinearConfig()
+        _check_features(in_features, out_features, config)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.config = config if config is not None else Float8LinearConfig()
+        self.config = config
 
     @classmethod
     def from_float(cls, mod: nn.Linear, config: Optional[Float8LinearConfig] = None) -> "Float8Linear":
@@ -108,7 +68,7 @@ class Float8Linear(nn.Linear):
             input = input.to(torch.get_autocast_dtype(input.device.type))
         lead_shape = input.shape[:-1]
         input_2d = input.reshape(-1, input.shape[-1])
-        check_float8_operands(input_2d, self.weight, lead_shape=lead_shape)
+        check_float8_operands(input_2d, self.weight, lead_shape=lead_shape, config=self.config)
         output = float8_matmul(input_2d, self.weight, config=self.config)
         output = output.reshape(*lead_shape, output.shape[-1])
         if self.bias is not None:
@@ -129,12 +89,13 @@ def convert_to_float8_training(
 
     module_filter_fn(mod, fqn) -> bool chooses which layers to convert. A root nn.Linear is
     returned converted (not changed in place), as in torchao. Layers whose features are not
-    divisible by 16 raise a clear error naming the layer: filter them out.
+    divisible by the recipe's alignment (16; 128 for blockwise) raise a clear error naming the
+    layer: filter them out.
     """
     config = config if config is not None else Float8LinearConfig()
 
     def convert(mod: nn.Linear, fqn: str) -> Float8Linear:
-        _check_features(mod.in_features, mod.out_features, where=f"layer {fqn or '<root>'!r}: ")
+        _check_features(mod.in_features, mod.out_features, config, where=f"layer {fqn or '<root>'!r}: ")
         return Float8Linear.from_float(mod, config=config)
 
     def wanted(mod: nn.Module, fqn: str) -> bool:

@@ -1,4 +1,4 @@
-"""FP8 matmul for training: tensorwise dynamic scaling and the three GEMMs of a linear layer.
+"""FP8 matmul for training: dynamic scaling and the three GEMMs of a linear layer.
 
 How FP8 training of a linear layer works
 ----------------------------------------
@@ -13,36 +13,59 @@ N = out_features.) FP8 training runs each GEMM with FP8 operands on the tensor c
 about twice the bf16 rate, and keeps the result in high precision.
 
 FP8 has very little range (e4m3fn: max 448, 3 mantissa bits; e5m2: max 57344, 2 mantissa
-bits), so each operand is *scaled* into that range first. Tensorwise dynamic scaling uses
-one scale per tensor, recomputed every call from the tensor itself:
+bits), so each operand is *scaled* into that range first, from its own amax ("dynamic"):
 
-    amax  = max |x|                              (exact: a max does not round)
-    scale = fp8_max / max(amax, 1e-12)           (divided in float64, stored as float32)
-    x_fp8 = saturate(x.float() * scale) -> fp8   (round to nearest even, clamp to +-fp8_max)
+    amax  = max |x| over the elements sharing a scale          (exact: a max does not round)
+    scale = fp8_max / max(amax, 1e-12)   (divided in float64, stored as float32; the floor
+                                          makes an all-zero tensor, row or tile give zeros)
+    x_fp8 = saturate(x.float() * scale) -> fp8         (round to nearest even, clamp to +-max)
 
-so the largest element lands exactly on fp8_max. The GEMM gets the *inverse* scales and
-undoes them in high precision: `torch._scaled_mm(a_fp8, b_fp8, 1/scale_a, 1/scale_b)`.
-input and weight use e4m3 (precision matters most); grad_output uses e5m2 (gradients
-have a wide dynamic range). These are exactly torchao's "tensorwise" recipe numerics, so
-this module is bitwise identical to torchao's Float8Linear in eager mode.
+so the largest element of each group lands on fp8_max. The GEMM gets the *inverse* scales
+and undoes them in high precision: `torch._scaled_mm(a_fp8, b_fp8, 1/scale_a, 1/scale_b)`.
+
+The recipes (config.py), which differ in how many elements share a scale
+----------------------------------------------------------------------
+tensorwise          One scale per tensor. input and weight in e4m3 (precision matters most),
+                    grad_output in e5m2 (gradients span a wide range, and one scale must cover
+                    all of it). Fast accumulation in the forward GEMM only. The cast does not
+                    depend on the GEMM, so the FP8 tensors are saved for backward: half the
+                    activation memory of bf16 and no second cast.
+rowwise             One scale per row of A and per column of B, the amax taken along the
+                    GEMM's inner dim, so one large row no longer crushes the others. With a
+                    scale per row the range each scale must cover is narrow, so gradients take
+                    e4m3 too: one more mantissa bit. Scales are rounded *down* to a power of two:
+                    multiplying by 2^k is exact (no rounding in scaling or unscaling) and rounding
+                    down keeps the row's amax at or below fp8_max (it costs < 1 bit of range).
+                    The inner dim differs per GEMM (K, N, then M for grad_weight), so each GEMM
+                    re-quantizes from the high-precision tensors, which are what is saved.
+                    As torchao does: a GEMM without fast accumulation runs the tensorwise
+                    kernel with unit scales and multiplies the row and column scales in
+                    afterwards (exact for powers of two); axiswise GEMMs write bf16 and cast to
+                    fp16/fp32 (the CUTLASS rowwise kernel torch uses below cuBLAS 12.9 writes
+                    bf16 only).
+rowwise_with_gw_hp  rowwise for output; grad_input with a tensorwise weight; grad_weight in
+                    high precision (the GEMM that sums over all tokens is the most sensitive).
+blockwise           DeepSeek-V3's recipe: activations and gradients get one scale per 1x128
+                    tile along the inner dim, weights one per 128x128 block, e4m3 everywhere.
+                    An outlier spoils only its own tile; the GEMM accumulates each 128-long
+                    block on the tensor cores and adds the scaled partial sums in fp32. A weight
+                    block is the same block in output (as W.T) and grad_input (as W); grad_weight
+                    re-tiles input and grad_output along M (128x1 tiles of B). cuBLASLt wants the
+                    1x128 scales of an operand [rows, K] as a [rows, K/128] tensor stored
+                    column-major (rows adjacent) and 128x128 scales as [K/128, N/128] K-major;
+                    every dim (M too: grad_weight's inner dim) a multiple of 128. Block scaling
+                    runs on SM90 through torch.nn.functional.scaled_mm; a CPU has no block-scaled
+                    GEMM, so there the same FP8 operands and scales are multiplied by an
+                    emulation: per 128-block products summed in fp32, scaled, summed in fp32.
 
 Why each operand has the layout it has
 --------------------------------------
-On Hopper (SM90) cuBLASLt runs FP8 GEMMs only as "TN": the first operand A must be
-row-major and the second B column-major, both with dimensions divisible by 16. A
-transpose of a row-major [R,C] tensor is a column-major [C,R] view for free, so:
-
-  * output:      A = input_fp8 [M,K] (row-major, as it comes);
-                 B = weight_fp8.T [K,N] (a free view of the row-major weight).
-  * grad_input:  A = grad_output_fp8 [M,N] (row-major, as it comes);
-                 B = weight_fp8 [N,K] must be column-major: one transposed copy (1 byte/elt).
-  * grad_weight: A = grad_output_fp8.T [N,M] must be row-major: one transposed copy;
-                 B = input_fp8 [M,K] must be column-major: one transposed copy.
-
-The inner dimension of grad_weight is M, so M must also be divisible by 16. Inputs with
-other strides (a transposed or sliced activation) are quantized in their own layout and
-copied only when the GEMM needs a different one. The FP8 tensors, not the high-precision
-ones, are saved for backward: half the activation memory of bf16 and no second cast.
+On Hopper (SM90) cuBLASLt runs FP8 GEMMs only as "TN": A row-major and B column-major,
+dimensions divisible by 16 (strides too). A transpose of a row-major [R,C] tensor is a
+column-major [C,R] view for free, so each operand is quantized in its "inner dim last"
+orientation (A as [rows, inner], B as B.T = [cols, inner]) and B is handed over as a
+transposed view. Inputs with other strides (a transposed or sliced activation) are copied
+only when the GEMM needs a different layout.
 """
 
 from __future__ import annotations
@@ -50,22 +73,21 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-# ROCm MI300 (gfx942) uses the "fnuz" FP8 variants (no negative zero, max 240 for e4m3);
-# everything else uses the OCP formats. Chosen once, like torchao does.
-_IS_MI300 = bool(
-    torch.version.hip
-    and torch.cuda.is_available()
-    and "gfx942" in torch.cuda.get_device_properties(0).gcnArchName
-)
-E4M3 = torch.float8_e4m3fnuz if _IS_MI300 else torch.float8_e4m3fn  # input, weight
-E5M2 = torch.float8_e5m2fnuz if _IS_MI300 else torch.float8_e5m2  # grad_output
-# fp8 max per format: e4m3fn 448, e5m2 57344, e4m3fnuz 240, e5m2fnuz 57344.
+from fp8_impl.config import E4M3, E5M2, CastConfig, Float8LinearConfig, GemmConfig, Scaling
+
 FP8_MAX = {dt: torch.finfo(dt).max for dt in (torch.float8_e4m3fn, torch.float8_e5m2,
                                               torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)}
-EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale and quantizes to zeros
+EPS = 1e-12  # amax floor: an all-zero tensor (row, tile) gets a finite scale and quantizes to zeros
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-GEMM_ALIGNMENT = 16  # torch._scaled_mm / cuBLASLt: every GEMM dimension divisible by 16
+BLOCK = 128
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, *, pow2: bool = False) -> torch.Tensor:
+    # float64 division, then float32: the same bits in eager and compiled code (torchao does this).
+    scale = (FP8_MAX[fp8_dtype] / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
 def to_float8(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,16 +96,30 @@ def to_float8(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, to
     Two passes over x (torchao's eager path makes six): one reduction for amax, and one
     multiply that upcasts, scales and rounds to fp8 on store.
     """
-    fp8_max = FP8_MAX[fp8_dtype]
     amax = torch.linalg.vector_norm(x, ord=math.inf)  # max |x| in one pass, no |x| temporary; exact
-    # float64 division, then float32: the same bits in eager and compiled code (torchao does this).
-    scale = (fp8_max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+    scale = amax_to_scale(amax, fp8_dtype)
     # The scale as a 1-element (not 0-dim) tensor makes the product float32: bf16 * 0-dim fp32
     # would stay bf16 and round x * scale in bf16. No clamp is needed: |x| <= amax, so
     # |x * scale| <= fp8_max (1 + 2^-23), which rounds to fp8_max (inf and NaN input give NaN,
     # as with a clamp). Layout: x_fp8 has x's strides (dense x) or is contiguous.
     x_fp8 = torch.mul(x, scale.reshape(1), out=torch.empty_like(x, dtype=fp8_dtype))
     return x_fp8, scale.reciprocal()
+
+
+def quantize(x: torch.Tensor, cast: CastConfig, *, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale `x` [rows, inner] (an operand, inner dim last) to fp8 at the cast's granularity.
+
+    Returns (x_fp8 row-major, inverse scales [rows/r, inner/i] for tiles of r x i elements:
+    [1, 1] tensorwise, [rows, 1] axiswise, [rows, inner/128] 1x128, [rows/128, inner/128] 128x128).
+    """
+    rows, inner = x.shape
+    r, i = {Scaling.TENSORWISE: (rows, inner), Scaling.AXISWISE: (1, inner),
+            Scaling.BLOCK_1X128: (1, BLOCK), Scaling.BLOCK_128X128: (BLOCK, BLOCK)}[cast.scaling]
+    tiles = x.reshape(rows // r, r, inner // i, i)
+    scale = amax_to_scale(tiles.abs().amax(dim=(1, 3)), cast.fp8_dtype, pow2=pow2)
+    fp8_max = FP8_MAX[cast.fp8_dtype]
+    x_fp8 = (tiles.float() * scale[:, None, :, None]).clamp(-fp8_max, fp8_max).to(cast.fp8_dtype)
+    return x_fp8.reshape(rows, inner), scale.reciprocal()
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -94,59 +130,122 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(0) == 1 and t.stride(1) >= max(1, t.size(0)) else t.t().contiguous().t()
 
 
+def _blocks_emulated(a, scale_a, b, scale_b, out_dtype):
+    """A block-scaled GEMM where no kernel has one (a CPU): exact 128-long partial products
+    (at most 8 significant bits each), each block scaled and summed in fp32. scale_b: [K/128, N]."""
+    (M, K), N = a.shape, b.shape[1]
+    partial = torch.bmm(a.float().reshape(M, K // BLOCK, BLOCK).transpose(0, 1),
+                        b.float().reshape(K // BLOCK, BLOCK, N))  # [K/128, M, N]
+    return (partial * scale_a.t()[:, :, None] * scale_b[:, None, :]).sum(0).to(out_dtype)
+
+
+def _gemm(a, scale_a, b, scale_b, gemm: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b from fp8 operands (a row-major [R, I], b column-major [I, C]) and inverse scales
+    (scale_b of 1x128 tiles is [C, I/128], as cuBLASLt takes it)."""
+    kinds = {gemm.a.scaling, gemm.b.scaling}
+    if kinds == {Scaling.TENSORWISE}:
+        return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
+                                out_dtype=out_dtype, use_fast_accum=gemm.fast_accum)
+    if Scaling.AXISWISE in kinds:  # a tensorwise partner becomes a row (column) of equal scales
+        wide = torch.bfloat16  # torchao (and SM90's CUTLASS rowwise kernel) write bf16: cast afterwards
+        scale_a, scale_b = scale_a.expand(a.shape[0], 1), scale_b.expand(1, b.shape[1])
+        if gemm.fast_accum:
+            return torch._scaled_mm(a, b, scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(),
+                                    out_dtype=wide, use_fast_accum=True).to(out_dtype)
+        # torchao: the rowwise kernel is slow without fast accumulation, so the tensorwise kernel
+        # runs with unit scales and the (power-of-two) scales are multiplied in afterwards.
+        one = scale_a.new_ones(())
+        output = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=wide, use_fast_accum=False)
+        output *= scale_a * scale_b
+        return output.to(out_dtype)
+    tiles_b = gemm.b.scaling is Scaling.BLOCK_1X128
+    if a.device.type != "cuda":
+        per_k = scale_b.t() if tiles_b else scale_b.repeat_interleave(BLOCK, dim=1)
+        return _blocks_emulated(a, scale_a, b, per_k, out_dtype)
+    if not tiles_b and scale_b.shape[0] % 4:  # cuBLASLt: K/128 padded to a multiple of 4 (16-byte columns)
+        padded = scale_b.new_ones(scale_b.shape[1], -(-scale_b.shape[0] // 4) * 4).t()
+        padded[: scale_b.shape[0]] = scale_b
+        scale_b = padded
+    recipe_b = F.ScalingType.BlockWise1x128 if tiles_b else F.ScalingType.BlockWise128x128
+    return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype)
+
+
+def _cast_for_gemm(x: torch.Tensor, cast: CastConfig, pow2: bool):
+    """(x_fp8, inverse scales in _scaled_mm's layout) of an operand [rows, inner]."""
+    if cast.scaling is Scaling.TENSORWISE and not pow2:
+        return to_float8(x, cast.fp8_dtype)
+    x_fp8, inverse = quantize(x, cast, pow2=pow2)
+    if cast.scaling is Scaling.BLOCK_1X128:  # [rows, inner/128] stored column-major
+        inverse = inverse.t().contiguous().t()
+    return x_fp8, inverse
+
+
+def _run_gemm(a_hp, b_hp_t, gemm: GemmConfig, config: Float8LinearConfig, out_dtype, cached=(None, None)):
+    """One GEMM a @ b from high-precision A [R, I] and B.T [C, I] (or their cached tensorwise casts)."""
+    if gemm.a.scaling is Scaling.DISABLED:
+        return a_hp @ b_hp_t.t()
+    pow2 = config.round_scales_to_power_of_2
+    a_fp8, scale_a = cached[0] or _cast_for_gemm(a_hp, gemm.a, pow2)
+    bt_fp8, scale_bt = cached[1] or _cast_for_gemm(b_hp_t, gemm.b, pow2)
+    scale_b = scale_bt if gemm.b.scaling is Scaling.BLOCK_1X128 else scale_bt.t()
+    return _gemm(_row_major(a_fp8), scale_a, _col_major(bt_fp8.t()), scale_b, gemm, out_dtype)
+
+
 @torch._dynamo.allow_in_graph  # torch.compile keeps this Function as one node in the graph
 class _Float8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_2d, weight, output_fast_accum: bool, grad_fast_accum: bool):
-        input_fp8, input_inv_scale = to_float8(input_2d, E4M3)
-        weight_fp8, weight_inv_scale = to_float8(weight, E4M3)
+    def forward(ctx, input_2d, weight, config: Float8LinearConfig):
+        # Tensorwise casts are the same for every GEMM: cast once, save the FP8 tensors.
+        keep_input = config.output.a == config.grad_weight.b and config.output.a.scaling is Scaling.TENSORWISE
+        keep_weight = config.output.b == config.grad_input.b and config.output.b.scaling is Scaling.TENSORWISE
+        pow2 = config.round_scales_to_power_of_2
+        input_cast = _cast_for_gemm(input_2d, config.output.a, pow2) if keep_input else None
+        weight_cast = _cast_for_gemm(weight, config.output.b, pow2) if keep_weight else None
 
         # ---- GEMM 1: output = input @ weight.T ------------  [M,K] x [K,N] -> [M,N]
-        # Fast accumulation (lower-precision partial sums on Hopper) only here, as torchao:
-        # the forward output tolerates it; the gradients do not.
-        output = torch._scaled_mm(
-            _row_major(input_fp8), _col_major(weight_fp8.t()),
-            scale_a=input_inv_scale, scale_b=weight_inv_scale,
-            out_dtype=input_2d.dtype, use_fast_accum=output_fast_accum,
-        )
-        ctx.save_for_backward(input_fp8, weight_fp8, input_inv_scale, weight_inv_scale)
-        ctx.weight_dtype = weight.dtype
-        ctx.grad_fast_accum = grad_fast_accum
+        output = _run_gemm(input_2d, weight, config.output, config, input_2d.dtype, (input_cast, weight_cast))
+        ctx.save_for_backward(*(input_cast or (input_2d,)), *(weight_cast or (weight,)))
+        ctx.config, ctx.kept, ctx.weight_dtype = config, (keep_input, keep_weight), weight.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_fp8, weight_fp8, input_inv_scale, weight_inv_scale = ctx.saved_tensors
-        grad_output_fp8, grad_output_inv_scale = to_float8(grad_output, E5M2)
+        config, (keep_input, keep_weight) = ctx.config, ctx.kept
+        saved = list(ctx.saved_tensors)
+        input_cast = (saved.pop(0), saved.pop(0)) if keep_input else None
+        input_2d = None if keep_input else saved.pop(0)
+        weight_cast = tuple(saved) if keep_weight else None
+        weight = None if keep_weight else saved[0]
+        # grad_output is cast once when both backward GEMMs take the same tensorwise cast.
+        go_cast = _cast_for_gemm(grad_output, config.grad_input.a, config.round_scales_to_power_of_2) \
+            if config.grad_input.a == config.grad_weight.a and config.grad_input.a.scaling is Scaling.TENSORWISE \
+            else None
         grad_input = grad_weight = None
-
         if ctx.needs_input_grad[0]:
             # ---- GEMM 2: grad_input = grad_output @ weight ----  [M,N] x [N,K] -> [M,K]
-            grad_input = torch._scaled_mm(
-                _row_major(grad_output_fp8), _col_major(weight_fp8),
-                scale_a=grad_output_inv_scale, scale_b=weight_inv_scale,
-                out_dtype=grad_output.dtype, use_fast_accum=ctx.grad_fast_accum,
-            )
+            weight_t_cast = None if weight_cast is None else (weight_cast[0].t(), weight_cast[1])
+            grad_input = _run_gemm(grad_output, None if keep_weight else weight.t(), config.grad_input, config,
+                                   grad_output.dtype, (go_cast, weight_t_cast))
         if ctx.needs_input_grad[1]:
             # ---- GEMM 3: grad_weight = grad_output.T @ input --  [N,M] x [M,K] -> [N,K]
             # Computed in grad_output's dtype, then cast to the weight's (as torchao does).
-            grad_weight = torch._scaled_mm(
-                _row_major(grad_output_fp8.t()), _col_major(input_fp8),
-                scale_a=grad_output_inv_scale, scale_b=input_inv_scale,
-                out_dtype=grad_output.dtype, use_fast_accum=ctx.grad_fast_accum,
-            ).to(ctx.weight_dtype)
-        return grad_input, grad_weight, None, None
+            go_t_cast = None if go_cast is None else (go_cast[0].t(), go_cast[1])
+            input_t_cast = None if input_cast is None else (input_cast[0].t(), input_cast[1])
+            grad_weight = _run_gemm(grad_output.t(), None if keep_input else input_2d.t(), config.grad_weight,
+                                    config, grad_output.dtype, (go_t_cast, input_t_cast)).to(ctx.weight_dtype)
+        return grad_input, grad_weight, None
 
 
-def check_float8_operands(input_2d: torch.Tensor, weight: torch.Tensor, *, lead_shape=None) -> None:
+def check_float8_operands(input_2d: torch.Tensor, weight: torch.Tensor, *, lead_shape=None,
+                          config: Float8LinearConfig | None = None) -> None:
     """Raise a clear error, before any kernel runs, for operands the FP8 GEMMs cannot take."""
+    config = config or Float8LinearConfig()
     for name, t in (("input", input_2d), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fp8_impl: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"fp8_impl: {name} dtype {t.dtype} is not supported; the tensorwise recipe takes "
-                f"bfloat16, float16 or float32 (cast it with .to(torch.bfloat16))")
+            raise TypeError(f"fp8_impl: {name} dtype {t.dtype} is not supported; the {config.recipe.value} recipe "
+                            f"takes bfloat16, float16 or float32 (cast it with .to(torch.bfloat16))")
     if weight.dim() != 2:
         raise ValueError(f"fp8_impl: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     if input_2d.dim() != 2:
@@ -158,29 +257,34 @@ def check_float8_operands(input_2d: torch.Tensor, weight: torch.Tensor, *, lead_
         raise ValueError(f"fp8_impl: input has K={K} features but weight expects {K_weight} "
                          f"(weight shape {tuple(weight.shape)})")
     lead = f" (the product of the input's leading dims {tuple(lead_shape)})" if lead_shape is not None else ""
+    align = config.alignment
+    why = "block scales tile every GEMM dimension by 128" if align == BLOCK else \
+        "torch._scaled_mm needs every GEMM dimension divisible by 16"
     for dim, value, role, fix in (
         ("M", M, f"tokens{lead}; the inner dim of grad_weight = grad_output.T @ input",
-         "pad the batch or sequence to a multiple of 16"),
+         "pad the batch or sequence"),
         ("K", K, "in_features; the inner dim of output = input @ weight.T", "pad in_features"),
         ("N", N, "out_features; the inner dim of grad_input = grad_output @ weight", "pad out_features"),
     ):
-        if value % GEMM_ALIGNMENT:
-            padded = -(-value // GEMM_ALIGNMENT) * GEMM_ALIGNMENT
+        if value % align:
+            padded = -(-value // align) * align
             raise ValueError(
-                f"fp8_impl: {dim} = {value} is not divisible by {GEMM_ALIGNMENT} ({dim} = {role}); "
-                f"torch._scaled_mm needs every GEMM dimension divisible by {GEMM_ALIGNMENT}. Fix: {fix} "
-                f"(to {padded}), or keep this layer in high precision with "
-                f"convert_to_float8_training(model, module_filter_fn=...)")
+                f"fp8_impl: {dim} = {value} is not divisible by {align} ({dim} = {role}); the "
+                f"{config.recipe.value} recipe needs it ({why}). Fix: {fix} to {padded}, or keep this layer in "
+                f"high precision with convert_to_float8_training(model, module_filter_fn=...)")
 
 
 def float8_matmul(input_2d: torch.Tensor, weight: torch.Tensor, *, config=None) -> torch.Tensor:
-    """Differentiable FP8 drop-in for `input_2d @ weight.T` (tensorwise dynamic scaling).
+    """Differentiable FP8 drop-in for `input_2d @ weight.T`.
 
     input_2d: [M, K] bf16/fp16/fp32; weight: [N, K] bf16/fp16/fp32. Returns [M, N] in
     input_2d's dtype; gradients come back in the dtypes of input_2d and weight.
-    `config` is an fp8_impl.Float8LinearConfig (default: torchao's tensorwise settings).
+    `config` is an fp8_impl.Float8LinearConfig (default: torchao's tensorwise recipe).
     """
-    check_float8_operands(input_2d, weight)
-    output_fast_accum = True if config is None else config.output_fast_accum
-    grad_fast_accum = False if config is None else config.grad_fast_accum
-    return _Float8Matmul.apply(input_2d, weight, output_fast_accum, grad_fast_accum)
+    config = config or Float8LinearConfig()
+    check_float8_operands(input_2d, weight, config=config)
+    return _Float8Matmul.apply(input_2d, weight, config)
+
+
+__all__ = ["E4M3", "E5M2", "EPS", "FP8_MAX", "amax_to_scale", "check_float8_operands", "float8_matmul",
+           "quantize", "to_float8"]

@@ -89,13 +89,13 @@ from fp8_impl.matmul import E4M3
 from parity import report
 from parity.env import environment
 from parity.impls import Impl
+from parity.recipes import RECIPES, Recipe
 from parity.sweep import llama3_shapes, nanochat_shapes
 
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "bf16")
-RATIO_REFERENCES = {"vs_torchao": "torchao:tensorwise", "vs_bf16": "bf16"}  # column -> impl
 TIME_COLUMNS = {"median_ms": "", "gpu_ms": "gpu_"}  # time column -> prefix of its ratio columns
-COLUMNS = ["preset", "shape", "M", "K", "N", "impl", "compiled", "median_ms", "p20_ms", "p80_ms", "gpu_ms", "host_ms",
-           "bound", "tflops", "peak_mem_gb", "compile_s", "vs_torchao", "vs_bf16", "gpu_vs_torchao", "gpu_vs_bf16",
+COLUMNS = ["preset", "shape", "M", "K", "N", "impl", "recipe", "compiled", "median_ms", "p20_ms", "p80_ms", "gpu_ms",
+           "host_ms", "bound", "tflops", "peak_mem_gb", "compile_s", "vs_torchao", "vs_bf16", "gpu_vs_torchao", "gpu_vs_bf16",
            "limit_ms", "fraction_of_limit", "error", "gpu_error"]
 ROUNDS = 5  # interleaved timing blocks per configuration (_time_interleaved)
 SETTLE_S = 0.2  # idle seconds before each GPU-time measurement (_measure_gpu)
@@ -127,14 +127,14 @@ def _with_tokens(M: int, named: Sequence[tuple[str, int, int]]) -> tuple[tuple[s
     return tuple((label, M, K, N) for label, K, N in named)
 
 
-_SMALL = dict.fromkeys([(4096, 768, 3072), (4096, 768, 768), (8192, 1024, 4096),  # + DESIGN.md's shapes
+_SMALL = dict.fromkeys([(4096, 768, 3072), (4096, 768, 768), (8192, 1024, 4096),  # + shapes measured before (README)
                         (32768, 1664, 6656), (32768, 1664, 1664), (16384, 8192, 8192), (4096, 768, 3072)])
 PRESETS = {
     "nanochat": BenchPreset("nanochat", "nanochat d20/d26/d32 layers, 32768 tokens",
                             _with_tokens(32768, [*nanochat_shapes(20), *nanochat_shapes(26), *nanochat_shapes(32)])),
     "llama": BenchPreset("llama", "Llama 3 8B and 70B layers, 8192 tokens",
                          _with_tokens(8192, [*llama3_shapes("8b"), *llama3_shapes("70b")])),
-    "small": BenchPreset("small", "GPT-2 small/medium layers and the shapes measured in DESIGN.md",
+    "small": BenchPreset("small", "GPT-2 small/medium layers and nanochat-sized shapes",
                          tuple((f"{M}x{K}x{N}", M, K, N) for M, K, N in _SMALL), warmup=10, iters=50),
 }
 
@@ -277,36 +277,43 @@ def measure_ceilings(device, *, warmup: int = 5, iters: int = 20) -> Ceilings:
                     bandwidth_gbs=2 * COPY_BYTES / copy_ms / 1e6)
 
 
-def glue_bytes(M: int, K: int, N: int, *, hp_bytes: int = 2) -> int:
-    """The fewest bytes the tensorwise quantization glue moves per fwd+bwd (module docstring)."""
-    elements = M * K + N * K + M * N  # input, weight, grad_output
-    amax_reads, cast_reads, fp8_writes_in_two_layouts = hp_bytes * elements, hp_bytes * elements, 2 * elements
-    return amax_reads + cast_reads + fp8_writes_in_two_layouts
+def glue_bytes(M: int, K: int, N: int, *, hp_bytes: int = 2, recipe: Recipe = RECIPES["tensorwise"]) -> int:
+    """The fewest bytes a recipe's quantization glue moves per fwd+bwd (Recipe.glue_bytes: for
+    tensorwise (2h + 2) bytes per element of input, weight and grad_output)."""
+    return recipe.glue_bytes(M, K, N, hp_bytes=hp_bytes)
 
 
-def limit_ms(M: int, K: int, N: int, ceilings: Ceilings, *, fp8: bool, hp_bytes: int = 2) -> float:
-    """The fastest fwd+bwd here (ms): 3 GEMMs at the fp8 (or bf16) rate + the fp8 glue at bandwidth."""
-    if not fp8:
-        return 6 * M * K * N / (ceilings.bf16_tflops * 1e9)
-    return 6 * M * K * N / (ceilings.fp8_tflops * 1e9) + glue_bytes(M, K, N, hp_bytes=hp_bytes) / (
-        ceilings.bandwidth_gbs * 1e6)
+def limit_ms(M: int, K: int, N: int, ceilings: Ceilings, *, recipe: Recipe = RECIPES["tensorwise"],
+             hp_bytes: int = 2) -> float:
+    """The fastest fwd+bwd here (ms): the recipe's FP8 GEMMs at the fp8 rate, its high-precision
+    GEMMs at the bf16 rate, its quantization glue at the measured bandwidth."""
+    fp8_flops, hp_flops = recipe.flops(M, K, N)
+    return (fp8_flops / (ceilings.fp8_tflops * 1e9) + hp_flops / (ceilings.bf16_tflops * 1e9)
+            + glue_bytes(M, K, N, hp_bytes=hp_bytes, recipe=recipe) / (ceilings.bandwidth_gbs * 1e6))
 
 
 def _limit_of(impl: Impl, M: int, K: int, N: int, ceilings: Ceilings, dtype: torch.dtype) -> float:
     if impl.is_reference and impl.compute_dtype != torch.bfloat16:
         return math.nan  # no ceiling measured for fp64 and the like
-    return limit_ms(M, K, N, ceilings, fp8=not impl.is_reference, hp_bytes=dtype.itemsize)
+    return limit_ms(M, K, N, ceilings, recipe=impl.recipe, hp_bytes=dtype.itemsize)
 
 
 def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
     """vs_torchao, vs_bf16 (wall) and gpu_vs_torchao, gpu_vs_bf16 (GPU work): time of that
     reference / time of the row, on the same preset, shape and compile mode (> 1: the row is
-    faster); NaN where either did not run."""
+    faster). The torchao reference of a row is torchao's implementation of the row's recipe
+    (torchao:tensorwise for a tensorwise row, torchao:rowwise for a rowwise one, ...); NaN where
+    either did not run."""
     groups = [frame[key] for key in ("preset", "shape", "compiled")]
+    torchao_of = "torchao:" + frame["recipe"].astype(str)
     for time_column, prefix in TIME_COLUMNS.items():
-        for column, reference in RATIO_REFERENCES.items():
-            reference_ms = frame[time_column].where(frame["impl"] == reference).groupby(groups).transform("first")
-            frame = frame.assign(**{prefix + column: reference_ms / frame[time_column]})
+        by_impl = {impl: frame[time_column].where(frame["impl"] == impl).groupby(groups).transform("first")
+                   for impl in frame["impl"].unique()}
+        nan = pd.Series(math.nan, index=frame.index)
+        torchao_ms = pd.concat([by_impl.get(name, nan).loc[[i]] for i, name in torchao_of.items()]) \
+            if len(frame) else nan
+        frame = frame.assign(**{prefix + "vs_torchao": torchao_ms / frame[time_column],
+                                prefix + "vs_bf16": by_impl.get("bf16", nan) / frame[time_column]})
     return frame
 
 
@@ -434,7 +441,7 @@ def run_bench(presets: Sequence[BenchPreset], impls: Sequence[Impl], *, compile_
                     for config in configs:
                         measured = _result(config, M, K, N)
                         records.append(dict(preset=preset.name, shape=label, M=M, K=K, N=N, impl=config.impl.name,
-                                            compiled=compiled, **measured,
+                                            recipe=config.impl.recipe.name, compiled=compiled, **measured,
                                             limit_ms=_limit_of(config.impl, M, K, N, ceilings, preset.dtype)))
                     del configs
                     torch._dynamo.reset()
@@ -458,10 +465,10 @@ def _geomean(values: pd.Series) -> str:
 
 
 def _speedups(rows: pd.DataFrame, prefix: str) -> str:
-    """'1.04x (min 0.81x) vs torchao:tensorwise, 1.11x vs bf16' for one time column's ratios."""
+    """'1.04x (min 0.81x) vs torchao:rowwise, 1.11x vs bf16' for one time column's ratios."""
     worst = rows[prefix + "vs_torchao"].min()
     worst = f" (min {worst:.2f}x)" if not math.isnan(worst) else ""
-    return (f"{_geomean(rows[prefix + 'vs_torchao'])}{worst} vs torchao:tensorwise, "
+    return (f"{_geomean(rows[prefix + 'vs_torchao'])}{worst} vs torchao:{rows['recipe'].iloc[0]}, "
             f"{_geomean(rows[prefix + 'vs_bf16'])} vs bf16")
 
 
@@ -495,13 +502,15 @@ def bench_tables(frame: pd.DataFrame) -> list[tuple[str, str | None, pd.DataFram
         ("Forward + backward, ms of GPU work", "the kernels of one step, summed from a profile (CUPTI): the time "
          "without launch gaps.", by_shape("gpu_ms")),
         ("Host ms to launch one step", "above the GPU time: the row is host-bound (`bound`).", by_shape("host_ms")),
-        ("Speedup vs torchao:tensorwise (wall)", "time of torchao:tensorwise / time of the impl; > 1 is faster.",
-         by_shape("vs_torchao")),
-        ("Speedup vs torchao:tensorwise (GPU)", "the same from the GPU work.", by_shape("gpu_vs_torchao")),
+        ("Speedup vs torchao's implementation of the same recipe (wall)",
+         "time of torchao:RECIPE / time of the impl; > 1 is faster.", by_shape("vs_torchao")),
+        ("Speedup vs torchao's implementation of the same recipe (GPU)", "the same from the GPU work.",
+         by_shape("gpu_vs_torchao")),
         ("Speedup vs bf16 (wall)", "time of bf16 nn.Linear / time of the impl; > 1 is faster.", by_shape("vs_bf16")),
         ("Speedup vs bf16 (GPU)", "the same from the GPU work.", by_shape("gpu_vs_bf16")),
-        ("Fraction of the limit", "limit_ms / gpu_ms: 3 GEMMs at the measured peak + the fewest bytes of the "
-         "tensorwise glue at the measured bandwidth (bf16: 3 GEMMs at the bf16 peak).", by_shape("fraction_of_limit")),
+        ("Fraction of the limit", "limit_ms / gpu_ms: the recipe's FP8 GEMMs at the measured fp8 peak, its "
+         "high-precision ones at the bf16 peak, + the fewest bytes of its quantization glue at the measured "
+         "bandwidth (bf16: 3 GEMMs at the bf16 peak).", by_shape("fraction_of_limit")),
     ]
     gpu_errors = frame[frame["gpu_error"].notna() & frame["error"].isna()]
     if len(gpu_errors):

@@ -18,7 +18,7 @@ gathered, each cheap on a minimal case:
 4. The recorded _scaled_mm calls: where the candidate's call for a GEMM differs from the
    reference's (dtypes, strides, scales, flags), or would fail on an H100.
 
-The bug class comes from DESIGN.md's vocabulary: transpose, layout, scale, fp8_dtype,
+The bug classes (see the README): transpose, layout, scale, fp8_dtype,
 saturation, accumulation, contract, stale_state, crash.
 """
 
@@ -38,7 +38,8 @@ from parity.env import environment
 from parity.metrics import compare
 from parity.policy import Violation
 from parity.relations import RELATIONS, check_layout_invariance, check_relation, check_weight_update
-from parity.runner import execute, run_case
+from parity.diagnose import call_findings
+from parity.runner import emulated_steps_of, execute, run_case
 
 GEMMS = ("output", "grad_input", "grad_weight")
 OPERANDS_OF = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight"),
@@ -71,22 +72,22 @@ class WrongOracle:
         K, N = step.input.shape[-1], step.weight.shape[0]
         fp8 = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 
-        def q(name, tensor):
+        def q(name, tensor):  # tensor laid out [rows, inner] as its GEMM reads it
             options = dict(self.quantize.get(name, {}))
             return oracles.quantize(tensor, options.pop("fp8", fp8[name]), **options)
-        qx, qw, qgo = q("input", step.input.reshape(-1, K)), q("weight", step.weight), \
-            q("grad_output", step.grad_output.reshape(-1, N))
+        x, w, go = step.input.reshape(-1, K), step.weight, step.grad_output.reshape(-1, N)
         if self.weight_view == "reshaped":
-            output = (qx.values @ qw.values.reshape(K, N)) * (qx.inv_scale * qw.inv_scale)
+            output = oracles.gemm(q("input", x), q("weight", w.reshape(K, N).t()))
         elif self.weight_view == "untransposed":
-            output = oracles.gemm(qx, qw)
+            output = oracles.gemm(q("input", x), q("weight", w.t()))
         else:
-            output = oracles.gemm(qx, qw, transpose_b=True)
+            output = oracles.gemm(q("input", x), q("weight", w))
         if self.grad_weight_view == "reshaped":
-            grad_weight = ((qx.values.t() @ qgo.values) * (qx.inv_scale * qgo.inv_scale)).reshape(N, K)
+            grad_weight = oracles.gemm(q("input", x.t()), q("grad_output", go.t())).reshape(N, K)
         else:
-            grad_weight = oracles.gemm(qgo, qx, transpose_a=True)
-        return dict(output=output, grad_input=oracles.gemm(qgo, qw), grad_weight=grad_weight)
+            grad_weight = oracles.gemm(q("grad_output", go.t()), q("input", x.t()))
+        return dict(output=output, grad_input=oracles.gemm(q("grad_output", go), q("weight", w.t())),
+                    grad_weight=grad_weight)
 
 
 def _quantization_mistakes() -> list[WrongOracle]:
@@ -210,7 +211,7 @@ def _is_contract_only(violation: Violation) -> bool:
 
 
 def _fails(plan: CheckPlan, case: Case, device: str) -> bool:
-    rows = run_case(case, plan.impls, plan.references, device=device)
+    rows = run_case(case, plan.comparisons, device=device)
     return bool(plan.judge(rows))
 
 
@@ -257,7 +258,7 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     # GEMM it is: analyse a distinct-dims twin of the case when it fails too.
     if len({case.M, case.K, case.N}) < 3 and "only when K == N" not in result.trigger:
         twin = case.replace(lead=(16,), K=32, N=48)
-        twin_rows = run_case(twin, plan.impls, plan.references, device=device)
+        twin_rows = run_case(twin, plan.comparisons, device=device)
         if plan.judge(twin_rows):
             result.evidence.append(f"analysed on {twin.id} (M, K, N distinct, so each GEMM's call is named)")
             case, violations = twin, plan.judge(twin_rows)
@@ -282,7 +283,10 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
         result.trigger.append("only on the GPU")
 
     data = make_data(case, device)
-    execution = execute(plan.candidate, data, record=True)
+    execution = execute(plan.candidate, data, record=True, keep_data=True)
+    stages = call_findings(execution.calls, emulated_steps_of(data.on_host() if device != "cpu" else data,
+                                                             plan.candidate.recipe), plan.candidate.recipe) \
+        if plan.candidate.recipe.is_fp8 and not execution.error else []
     reference_run = execute(plan.reference, data, record=not plan.reference.is_reference)
     result.evidence += [f"{v.metric}: {v.full_message}" for v in violations[:6] if v.metric != "scaled_mm_contract"]
     result.evidence += _call_differences(execution.calls, reference_run.calls, plan.reference.name)
@@ -317,9 +321,9 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
         else:
             result.evidence.append(f"no wrong oracle matches (closest {best_db:.1f} dB); the correct emulation "
                                    f"is {correct_db:.1f} dB away")
-        result.category, result.operand = _classify(result, crashes, numeric, scaled_mm, oracle, correct_db)
+        result.category, result.operand = _classify(result, crashes, numeric, scaled_mm, oracle, correct_db, stages)
     else:
-        result.category, result.operand = _classify(result, crashes, numeric, scaled_mm, None, None)
+        result.category, result.operand = _classify(result, crashes, numeric, scaled_mm, None, None, stages)
     return result
 
 
@@ -331,13 +335,19 @@ def _operand_of_pattern(gemms: Sequence[str]) -> str:
     return shared.pop() if len(shared) == 1 else "unknown"
 
 
+STAGE_CLASSES = {"fast_accum": "accumulation", "fp8_dtype": "fp8_dtype", "scale": "scale"}
+
+
 def _classify(result: Localization, crashes, numeric, scaled_mm, oracle: WrongOracle | None,
-              correct_db: float | None) -> tuple[str, str]:
+              correct_db: float | None, stages=()) -> tuple[str, str]:
     """(category, operand) from the evidence, most specific first."""
     triggers = result.trigger
     if crashes:
         named = [op for op in result.trigger_operands if op]
         return "crash", named[0] if named else ("input" if result.first == "output" else "grad_output")
+    staged = [f for f in stages if f.stage in STAGE_CLASSES]
+    if not numeric and staged:  # only the recorded calls differ from the recipe's: the first stage says what
+        return STAGE_CLASSES[staged[0].stage], "result" if staged[0].operand == "call" else staged[0].operand
     if not numeric and scaled_mm:
         problem = str(scaled_mm[0].value)
         gemm = result.first or "output"

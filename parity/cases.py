@@ -50,6 +50,9 @@ class Dist(str, enum.Enum):
     NEAR_MAX = "nearmax"  # |x| in [0.9, 1] x 448 with random signs, one element exactly 448
     TINY = "tiny"  # |x| log-uniform over 2^-30 .. 2^-10: many values land in fp8's subnormals
     NEGATIVE = "negative"  # negative-dominant: -|normal|, 5% positives of half size (amax from a negative)
+    ZERO_ROWS = "zero_rows"  # normal, with a quarter of the rows and a quarter of the columns all zero
+    OUTLIER_ROW = "outlier_row"  # normal input with one row (token) 10^4 times larger
+    TINY_AMAX = "tiny_amax"  # normal input times 1e-30: amax far below the scale's EPS floor of 1e-12
 
 
 TENSORS = ("output", "grad_input", "grad_weight", "grad_bias")
@@ -196,7 +199,7 @@ def parse_case_id(case_id: str) -> Case:
                 fields["seed"] = int(part[4:])
             elif part.startswith("steps") and part[5:].isdigit():
                 fields["steps"] = int(part[5:])
-            elif part.startswith("outlier"):
+            elif part.startswith("outlier") and (part[7:].isdigit() or part == "outlier"):
                 fields["dist"], fields["outlier_ratio"] = Dist.OUTLIER, int(part[7:] or 100)
             else:
                 fields["dist"] = Dist(part)
@@ -209,9 +212,11 @@ def parse_case_id(case_id: str) -> Case:
     return Case(**fields)
 
 
-def edge_cases(*, seed: int = 0) -> tuple[Case, ...]:
-    """Cases every check runs first: the edges where FP8 code most often goes wrong."""
-    base = Case(lead=(32,), K=64, N=48, seed=seed)
+def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT) -> tuple[Case, ...]:
+    """Cases every check runs first: the edges where FP8 code most often goes wrong (dims scaled
+    to the recipe's alignment: 16, or 128 for block scales)."""
+    unit = alignment // ALIGNMENT
+    base = Case(lead=(32 * unit,), K=64 * unit, N=48 * unit, seed=seed)
     return (
         base,
         base.replace(dist=Dist.ZEROS),
@@ -219,8 +224,11 @@ def edge_cases(*, seed: int = 0) -> tuple[Case, ...]:
         base.replace(dist=Dist.OUTLIER),
         base.replace(dist=Dist.NEGATIVE),
         base.replace(dist=Dist.TINY),
-        base.replace(lead=(2, 16)),  # 3-D input
-        base.replace(N=64),  # K == N: a transposed weight has the right shape here
+        base.replace(dist=Dist.ZERO_ROWS),  # all-zero rows and columns: axis and tile scales of zero
+        base.replace(dist=Dist.OUTLIER_ROW),
+        base.replace(dist=Dist.TINY_AMAX),
+        base.replace(lead=(2, 16 * unit)),  # 3-D input
+        base.replace(N=64 * unit),  # K == N: a transposed weight has the right shape here
         base.replace(input_layout=Layout.TRANSPOSED),
         base.replace(weight_layout=Layout.TRANSPOSED, grad_output_layout=Layout.SLICED),
         base.replace(input_dtype="fp32", weight_dtype="fp32", bias=True),
@@ -228,8 +236,9 @@ def edge_cases(*, seed: int = 0) -> tuple[Case, ...]:
     )
 
 
-def simplifications(case: Case):
-    """One-step simplifications of `case`, as (what changed, simpler case), simplest first.
+def simplifications(case: Case, *, alignment: int = ALIGNMENT):
+    """One-step simplifications of `case`, as (what changed, simpler case), simplest first,
+    keeping every dim a multiple of `alignment`.
 
     Used to shrink a failing case greedily and to find what a failure depends on.
     """
@@ -237,14 +246,14 @@ def simplifications(case: Case):
         simpler = case.replace(**changes)
         return None if simpler == case else (label, simpler)
 
-    M = case.M
+    M, a = case.M, alignment
     candidates = [
         variant("2-D input", lead=(M,)) if len(case.lead) > 1 else None,
-        variant("M = 16", lead=(16,)) if len(case.lead) == 1 else None,
-        variant("K = 16", K=16), variant("N = 16", N=16),
-        variant(f"M = {M // 2}", lead=(M // 2,)) if len(case.lead) == 1 and M % 32 == 0 else None,
-        variant(f"K = {case.K // 2}", K=case.K // 2) if case.K % 32 == 0 else None,
-        variant(f"N = {case.N // 2}", N=case.N // 2) if case.N % 32 == 0 else None,
+        variant(f"M = {a}", lead=(a,)) if len(case.lead) == 1 else None,
+        variant(f"K = {a}", K=a), variant(f"N = {a}", N=a),
+        variant(f"M = {M // 2}", lead=(M // 2,)) if len(case.lead) == 1 and M % (2 * a) == 0 else None,
+        variant(f"K = {case.K // 2}", K=case.K // 2) if case.K % (2 * a) == 0 else None,
+        variant(f"N = {case.N // 2}", N=case.N // 2) if case.N % (2 * a) == 0 else None,
         variant("one step", steps=1),
         variant("no bias", bias=False),
         variant("contiguous input", input_layout=Layout.CONTIGUOUS),
@@ -258,12 +267,12 @@ def simplifications(case: Case):
     return [c for c in candidates if c is not None]
 
 
-def shrink(case: Case, fails) -> Case:
+def shrink(case: Case, fails, *, alignment: int = ALIGNMENT) -> Case:
     """Greedy shrinking: take the first simplification that still fails, until none does."""
     progress = True
     while progress:
         progress = False
-        for _, simpler in simplifications(case):
+        for _, simpler in simplifications(case, alignment=alignment):
             if fails(simpler):
                 case, progress = simpler, True
                 break

@@ -21,12 +21,11 @@ from hypothesis.errors import NoSuchExample
 
 from parity.cases import Case, edge_cases, shrink
 from parity.env import environment
-from parity.impls import Impl, load_impl
+from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
-from parity.runner import run_case
+from parity.runner import Comparison, run_case
 from parity.strategies import cases as case_strategy
-
 
 
 @dataclass
@@ -36,25 +35,35 @@ class CheckPlan:
     candidate: Impl
     reference: Impl
     policy: Policy
-    impls: list[Impl]
-    references: list[Impl]
-    policies: dict[str, Policy]
+    comparisons: list[Comparison]
 
     @classmethod
-    def make(cls, candidate: Impl, reference: Impl, *, policy: Policy | str | None = None,
-             oracle: bool = True) -> "CheckPlan":
-        policy = Policy(policy) if policy else default_policy(candidate.recipe, reference.name, reference.recipe)
-        impls, references, policies = [candidate], [reference], {reference.name: policy}
+    def make(cls, candidate: Impl, reference: Impl | None = None, *, policy: Policy | str | None = None,
+             oracle: bool = True, device: str = "cpu") -> "CheckPlan":
+        """The candidate against `reference` (default: default_reference); with `oracle`, also
+        against its recipe's exact emulation (which separates accumulation from real bugs and
+        compares the fp8 operands and scales of every recorded GEMM call)."""
+        reference = reference or default_reference(candidate, torch.device(device).type)
+        policy = Policy(policy) if policy else default_policy(candidate, reference)
+        comparisons = [Comparison(candidate, reference, policy)]
         if policy is Policy.PAIRED:  # both measured against fp64 on the same inputs
-            impls, references = [candidate, reference], [load_impl("fp64")]
-        elif oracle and candidate.recipe == "tensorwise" and reference.name != "emulated":
-            references.append(load_impl("emulated"))  # separates accumulation from real bugs
-            policies["emulated"] = Policy.ACCUMULATION
-        return cls(candidate, reference, policy, impls, references, policies)
+            fp64 = load_impl("fp64")
+            comparisons += [Comparison(candidate, fp64, Policy.NONE), Comparison(reference, fp64, Policy.NONE)]
+        emulation = builtin_for_recipe("emulated", candidate.recipe)
+        if oracle and candidate.recipe.is_fp8 and not candidate.exact and emulation and not (
+                reference.exact and reference.recipe is candidate.recipe):
+            comparisons.append(Comparison(candidate, load_impl(emulation), Policy.ACCUMULATION))
+        return cls(candidate, reference, policy, comparisons)
+
+    @property
+    def alignment(self) -> int:
+        return max(self.candidate.recipe.alignment, self.reference.recipe.alignment, 16)
+
+    def unsupported(self, case: Case, device_type: str) -> str | None:
+        return self.candidate.unsupported(case, device_type) or self.reference.unsupported(case, device_type)
 
     def judge(self, rows: Sequence[dict]) -> list[Violation]:
-        recipes = {impl.name: impl.recipe for impl in self.impls}
-        return [v for v in evaluate(rows, self.policies, recipes) if v.impl == self.candidate.name]
+        return evaluate(rows, impls=[self.candidate.name])
 
     def reference_errors(self, rows: Sequence[dict]) -> list[str]:
         return sorted({f"{r['reference']}: {r['reference_error']}" for r in rows if r.get("reference_error")})
@@ -72,6 +81,7 @@ class CheckResult:
     minimal_case: Case | None = None
     error: str | None = None
     rerun: str | None = None
+    skipped: dict = field(default_factory=dict)  # case id -> why an implementation could not take it
 
     def to_json(self) -> dict:
         return dict(
@@ -82,7 +92,9 @@ class CheckResult:
             failures=[dict(case_id=v.case_id, tensor=v.tensor, step=v.step, metric=v.metric,
                            value=_jsonable(v.value), allowed=_jsonable(v.allowed), message=v.full_message)
                       for v in self.violations],
-            error=self.error, rerun=self.rerun, env=environment(self.device),
+            error=self.error, rerun=self.rerun, recipe=self.plan.candidate.recipe.name,
+            skipped=[dict(case_id=case_id, reason=reason) for case_id, reason in self.skipped.items()],
+            env=environment(self.device),
         )
 
 
@@ -97,23 +109,32 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
               rerun_command: Callable[[Case], str] | None = None,
               progress: Callable[[int, int], None] | None = None) -> CheckResult:
     """Explicit `cases` run as given; otherwise edge cases, then a hypothesis search of
-    `max_examples` cases with shrinking of the first failure."""
+    `max_examples` cases with shrinking of the first failure. Cases an implementation cannot take
+    are skipped with the reason; a check in which no case could run is an error, not a pass."""
     start = time.perf_counter()
     all_rows: list[dict] = []
-    counter = {"cases": 0}
+    counter = {"cases": 0, "skipped": {}}
+    device_type = torch.device(device).type
 
     def run(case: Case) -> tuple[list[dict], list[Violation], list[str]]:
-        rows = run_case(case, plan.impls, plan.references, device=device)
+        rows = run_case(case, plan.comparisons, device=device)
         counter["cases"] += 1
+        reason = plan.unsupported(case, device_type)
+        if reason:
+            counter["skipped"][case.id] = reason
         all_rows.extend(rows)
         if progress is not None:
             progress(counter["cases"], max_examples)
         return rows, plan.judge(rows), plan.reference_errors(rows)
 
     def finish(verdict: str, violations=(), minimal=None, error=None) -> CheckResult:
+        if verdict == "pass" and counter["skipped"] and len(counter["skipped"]) == counter["cases"]:
+            verdict, error = "error", (f"no case could run here: {next(iter(counter['skipped'].values()))} "
+                                       f"({counter['cases']} cases skipped)")
         return CheckResult(verdict, plan, device, counter["cases"], time.perf_counter() - start, all_rows,
                            list(violations), minimal, error,
-                           rerun_command(minimal) if (minimal is not None and rerun_command) else None)
+                           rerun_command(minimal) if (minimal is not None and rerun_command) else None,
+                           skipped=dict(counter["skipped"]))
 
     def violates(case: Case) -> bool:
         _, violations, ref_errors = run(case)
@@ -126,9 +147,10 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
         return finish("fail", violations, case)
 
     explicit = cases is not None
-    for case in (cases if explicit else edge_cases(seed=seed)):
+    shrunk = lambda case: shrink(case, violates, alignment=plan.alignment)  # noqa: E731
+    for case in (cases if explicit else edge_cases(seed=seed, alignment=plan.alignment)):
         if violates(case):
-            return conclude(case if explicit else shrink(case, violates))
+            return conclude(case if explicit else shrunk(case))
     if explicit:
         return finish("pass")
 
@@ -136,19 +158,20 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
         max_examples=max(1, max_examples), database=None, deadline=None, derandomize=derandomize,
         suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
     )
-    strategy = case_strategy(max_dim=max_dim, max_tokens=max_tokens)
+    strategy = case_strategy(max_dim=max(max_dim, plan.alignment), max_tokens=max(max_tokens, plan.alignment),
+                             alignment=plan.alignment).filter(lambda case: plan.unsupported(case, device_type) is None)
     try:
         minimal = find(strategy, violates, settings=search_settings, random=random.Random(seed))
     except NoSuchExample:
         return finish("pass")
-    return conclude(shrink(minimal, violates))  # hypothesis shrinks; a greedy pass takes the last steps
+    return conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps
 
 
 # ---- presentation -------------------------------------------------------------------------------------
 
 def summary_table(rows: Sequence[dict], plan: CheckPlan) -> pd.DataFrame:
     """Per reference and tensor: cases, bitwise rate, worst SQNR and ULP distance."""
-    frame = pd.DataFrame.from_records([r for r in rows if r["impl"] == plan.candidate.name])
+    frame = pd.DataFrame.from_records([r for r in rows if r["impl"] == plan.candidate.name and not r.get("skipped")])
     if frame.empty:
         return frame
     grouped = frame.groupby(["reference", "tensor"], sort=False)
@@ -166,8 +189,12 @@ def render(result: CheckResult) -> str:
     """What `fp8-parity check` prints."""
     plan = result.plan
     head = {"pass": "PASS", "fail": "FAIL", "error": "ERROR"}[result.verdict]
-    lines = [f"{head}: {plan.candidate.name} against {plan.reference.name} ({plan.policy.value} policy) on "
-             f"{result.device}: {result.cases_run} cases in {result.seconds:.1f} s", ""]
+    lines = [f"{head}: {plan.candidate.name} ({plan.candidate.recipe.name} recipe) against {plan.reference.name} "
+             f"({plan.policy.value} policy) on {result.device}: {result.cases_run} cases in {result.seconds:.1f} s", ""]
+    if result.skipped:
+        first = next(iter(result.skipped.items()))
+        lines += [f"{len(result.skipped)} of {result.cases_run} cases skipped (not failed): {first[1]} "
+                  f"(first: {first[0]})", ""]
     table = summary_table(result.rows, plan)
     if not table.empty:
         lines += [table.to_string(index=False), ""]

@@ -19,6 +19,7 @@ from parity.cases import CaseError, parse_case_id
 from parity.history import HistoryError
 from parity.impls import BUILTIN_HELP, Form, ImplError, load_impl
 from parity.policy import Policy
+from parity.recipes import FP8_RECIPES, RecipeError
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_RUN = 0, 1, 2, 125
 
@@ -51,8 +52,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="where to run (default: cuda if a GPU is present, else cpu)")
     parser.add_argument("--form", choices=[f.value for f in Form], default=None,
                         help="override the detected form of --impl")
-    parser.add_argument("--recipe", default=None,
-                        help="the recipe --impl claims (default: tensorwise for your own code); decides the policy")
+    parser.add_argument("--recipe", default=None, choices=None, metavar="RECIPE",
+                        help=f"the recipe --impl implements ({', '.join(FP8_RECIPES)}; default tensorwise for your "
+                             f"own code; for fp8_impl and emulated it picks theirs); decides the oracle, the policy "
+                             f"and which case dims are valid")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "on pinned edge cases and hypothesis-generated cases; shrink a failure "
                                             "to a minimal case.")
     _impl_arg(check, default=None, help_prefix="implementation under test")
-    check.add_argument("--against", default="torchao:tensorwise", metavar="REF",
-                       help="reference implementation (default: torchao:tensorwise)")
+    check.add_argument("--against", default=None, metavar="REF",
+                       help="reference implementation (default: the recipe's: torchao's implementation of it, or "
+                            "its exact emulation where torchao has none here; fp64 for a high-precision one)")
     _common(check)
     check.add_argument("--max-examples", type=int, default=100, help="hypothesis cases to try (default 100)")
     check.add_argument("--max-dim", type=int, default=256, help="largest K and N generated (default 256)")
@@ -105,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "operand, which bug class, under which conditions, with evidence. "
                                              "With --git GOOD BAD: the first bad commit of a repository.")
     _impl_arg(bisect, default=None, help_prefix="implementation to localize")
-    bisect.add_argument("--against", default="torchao:tensorwise", metavar="REF", help="reference (default torchao)")
+    bisect.add_argument("--against", default=None, metavar="REF",
+                        help="reference (default: the recipe's, as for check)")
     _common(bisect)
     bisect.add_argument("--case", default=None, metavar="CASE_ID", help="localize on this failing case")
     bisect.add_argument("--max-examples", type=int, default=100, help="search budget for a failing case")
@@ -190,17 +195,15 @@ def _default_report_dir() -> Path:
 
 def cmd_sweep(args) -> int:
     from parity.report import verdict, write_report
-    from parity.sweep import (DEFAULT_IMPLS, DEFAULT_REFERENCES, PRESETS, named_shape_table, run_sweep,
-                              run_sweep_sharded)
+    from parity.sweep import DEFAULT_IMPLS, PRESETS, named_shape_table, run_sweep, run_sweep_sharded, sweep_comparisons
 
     device = _device(args.device)
     impl_names = args.impl or list(DEFAULT_IMPLS)
     impls = [load_impl(name) for name in impl_names]
-    references = [load_impl(name) for name in DEFAULT_REFERENCES]
     preset = PRESETS[args.preset]
     if args.samples is not None:
         preset = dataclasses.replace(preset, samples=args.samples)
-    cases = preset.cases(device, seed=args.seed)
+    cases = preset.cases(device, seed=args.seed, alignment=max(impl.recipe.alignment for impl in impls))
     out = args.out or _default_report_dir()
     print(f"fp8-parity sweep: preset {preset.name} ({preset.description}), {len(cases)} cases x "
           f"{len(impls)} implementations on {device}", file=sys.stderr)
@@ -209,9 +212,10 @@ def cmd_sweep(args) -> int:
         print(f"fp8-parity sweep: --gpus {args.gpus}, but {gpus or 'no'} GPU(s) here: using {max(gpus, 1)} worker",
               file=sys.stderr)
     if gpus > 1:
-        frame = run_sweep_sharded(cases, impl_names, DEFAULT_REFERENCES, devices=[f"cuda:{i}" for i in range(gpus)])
+        frame = run_sweep_sharded(cases, impl_names, devices=[f"cuda:{i}" for i in range(gpus)])
     else:
-        frame = run_sweep(cases, impls, references, device=device, progress=_progress_bar(not args.quiet))
+        frame = run_sweep(cases, sweep_comparisons(impls, device), device=device,
+                          progress=_progress_bar(not args.quiet))
     judged = verdict(frame, candidate=impls[0].name)
     written = write_report(frame, out, title=f"fp8-parity sweep: {preset.name} preset on {device}",
                            candidate=impls[0].name, verdict=judged,
@@ -234,7 +238,8 @@ def cmd_bisect(args) -> int:
             args.json.write_text(json.dumps(found.to_json(), indent=2) + "\n")
         return EXIT_FAIL if found.first_bad else EXIT_PASS
     from parity.bisect import localize, render
-    plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe), load_impl(args.against))
+    plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe),
+                          load_impl(args.against) if args.against else None, device=device)
     result = localize(plan, device=device, case=parse_case_id(args.case) if args.case else None,
                       max_examples=args.max_examples)
     print(render(result), end="")
@@ -317,13 +322,13 @@ def cmd_check(args) -> int:
 
     device = _device(args.device)
     candidate = load_impl(args.impl, form=args.form, recipe=args.recipe)
-    reference = load_impl(args.against)
+    reference = load_impl(args.against) if args.against else None
     cases = [parse_case_id(c) for c in args.case] if args.case else None
-    plan = CheckPlan.make(candidate, reference, policy=args.policy, oracle=not args.no_oracle)
+    plan = CheckPlan.make(candidate, reference, policy=args.policy, oracle=not args.no_oracle, device=device)
     extra = [*(["--form", args.form] if args.form else []), *(["--recipe", args.recipe] if args.recipe else []),
              *(["--policy", args.policy] if args.policy else [])]
     result = run_check(plan, device=device, max_examples=args.max_examples, cases=cases, max_dim=args.max_dim,
-                       seed=args.seed, rerun_command=rerun_command(args.impl, args.against, device, extra),
+                       seed=args.seed, rerun_command=rerun_command(args.impl, plan.reference.name, device, extra),
                        progress=_progress(not args.quiet))
     if not args.quiet and sys.stderr.isatty():
         sys.stderr.write("\n")
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ImplError, CaseError, UsageError, HistoryError) as err:
+    except (ImplError, CaseError, UsageError, HistoryError, RecipeError) as err:
         print(f"fp8-parity {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except CannotRun as err:

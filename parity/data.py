@@ -33,9 +33,9 @@ class CaseData:
     steps: list[StepData]
     bias: torch.Tensor | None  # [N], weight dtype
     host: "CaseData | None" = None  # the same tensors on the CPU (None when these are the CPU's)
-    # The exact emulation of every step (parity.runner.emulated_steps), computed once per case and
-    # place however many implementations are compared against it.
-    emulated: list | None = field(default=None, repr=False, compare=False)
+    # The exact emulation of every step per recipe name (parity.runner.emulated_steps_of), computed
+    # once per case and place however many implementations are compared against it.
+    emulated: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -71,6 +71,17 @@ def sample(dist: Dist, shape: tuple[int, ...], generator: torch.Generator, *, ou
     if dist is Dist.TINY:
         sign = torch.randint(0, 2, shape, generator=g).float() * 2 - 1
         return sign * torch.exp2(-30 + 20 * torch.rand(shape, generator=g))
+    if dist is Dist.ZERO_ROWS:
+        x = torch.randn(shape, generator=g)
+        x[..., torch.randperm(shape[-2], generator=g)[: max(1, shape[-2] // 4)], :] = 0
+        x[..., torch.randperm(shape[-1], generator=g)[: max(1, shape[-1] // 4)]] = 0
+        return x
+    if dist is Dist.OUTLIER_ROW:
+        x = torch.randn(shape, generator=g)
+        x.reshape(-1, shape[-1])[int(torch.randint(math.prod(shape[:-1]), (1,), generator=g))] *= 1e4
+        return x
+    if dist is Dist.TINY_AMAX:
+        return torch.randn(shape, generator=g) * 1e-30
     if dist is Dist.NEGATIVE:
         x = -torch.randn(shape, generator=g).abs()
         flip = torch.rand(shape, generator=g) < 0.05
@@ -85,7 +96,9 @@ def make_data(case: Case, device: torch.device | str = "cpu") -> CaseData:
     # Outlier channels are an activation phenomenon (LLM hidden states): weights and gradients
     # stay normal. With outliers in both operands of grad_weight, tensorwise FP8 loses all
     # accuracy in the one huge, cancelling product term, which says nothing about the code.
-    draw_param = (lambda shape: sample(Dist.NORMAL, shape, g)) if case.dist is Dist.OUTLIER else draw  # noqa: E731
+    # The same holds for a single huge token (outlier_row) and for a tiny activation amax.
+    activation_only = (Dist.OUTLIER, Dist.OUTLIER_ROW, Dist.TINY_AMAX)
+    draw_param = (lambda shape: sample(Dist.NORMAL, shape, g)) if case.dist in activation_only else draw  # noqa: E731
     in_dtype, w_dtype = case.torch_input_dtype, case.torch_weight_dtype
     weight = draw_param((case.N, case.K))
     bias = torch.randn(case.N, generator=g) * 0.1 if case.bias else None

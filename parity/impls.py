@@ -30,6 +30,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from parity.cases import Layout
+from parity.recipes import FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
+
 
 class ImplError(ValueError):
     """An implementation that cannot be loaded or recognized; the message says how to fix it."""
@@ -65,21 +68,38 @@ class Impl:
     name: str
     form: Form
     target: Any
-    recipe: str = "tensorwise"  # what its numerics claim to be: decides the parity policy
-    compute_dtype: torch.dtype | None = None  # references run on the case's data cast to this dtype
-    convert_kwargs: dict = field(default_factory=dict)
-    device_independent: bool = False  # its results do not depend on the device (float64 math)
+    recipe: Recipe = RECIPES["tensorwise"]  # what its numerics claim to be: decides oracle, policy, alignment
+    convert_kwargs: dict = field(default_factory=dict)  # passed to a converter or to from_float
+    exact: bool = False  # a float64 emulation: its results do not depend on the device
+    # why a case cannot run here (beyond the recipe's alignment), or None: cuda-only kernels, dtypes
+    limits: Callable[[Any, str], str | None] | None = None
 
     @property
     def is_reference(self) -> bool:
-        return self.compute_dtype is not None
+        """A high-precision nn.Linear (bf16, fp64): runs on the case's data cast to compute_dtype."""
+        return not self.recipe.is_fp8
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.recipe.high_precision
+
+    @property
+    def device_independent(self) -> bool:
+        return self.exact or self.compute_dtype == torch.float64
+
+    def unsupported(self, case, device_type: str) -> str | None:
+        """Why `case` is skipped for this implementation on `device_type` (not a failure), or None."""
+        reason = self.recipe.unsupported(case.M, case.K, case.N)
+        if reason is None and self.limits is not None:
+            reason = self.limits(case, device_type)
+        return None if reason is None else f"{self.name}: {reason}"
 
     def build(self, linear: nn.Linear) -> tuple[nn.Module, nn.Parameter, nn.Parameter | None]:
         """(module, weight parameter, bias parameter) implementing `linear`."""
         if self.form is Form.FUNCTION:
             module = _FunctionLinear(linear, self.target)
         elif self.form is Form.MODULE:
-            module = self.target.from_float(linear)
+            module = self.target.from_float(linear, **self.convert_kwargs)
         else:
             holder = nn.Sequential(linear)  # converters swap children; a holder gives them one
             module = self.target(holder, **self.convert_kwargs)
@@ -124,27 +144,72 @@ def _find_parameters(module: nn.Module, linear: nn.Linear):
 
 # ---- built-ins ---------------------------------------------------------------------------------
 
-def _fp8_impl() -> Impl:
-    from fp8_impl import Float8Linear
-    return Impl("fp8_impl", Form.MODULE, Float8Linear)
-
-
-def _torchao(recipe: str) -> Callable[[], Impl]:
+def _fp8_impl(recipe: Recipe) -> Callable[[], Impl]:
     def load() -> Impl:
-        try:
-            with quiet_imports():
-                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        except Exception as err:  # noqa: BLE001 - any import failure is reported the same way
-            raise ImplError(f"torchao:{recipe} needs torchao.float8, which does not import: {err!r}; "
-                            f"install it with `pip install torchao`") from None
-        return Impl(f"torchao:{recipe}", Form.CONVERTER, convert_to_float8_training, recipe=recipe,
-                    convert_kwargs=dict(config=Float8LinearConfig.from_recipe_name(recipe)))
+        from fp8_impl import Float8Linear, Float8LinearConfig
+        name = "fp8_impl" if recipe is RECIPES["tensorwise"] else f"fp8_impl:{recipe.name}"
+        return Impl(name, Form.MODULE, Float8Linear, recipe=recipe,
+                    convert_kwargs=dict(config=Float8LinearConfig.from_recipe_name(recipe.name)))
     return load
 
 
-def _reference(name: str, dtype: torch.dtype) -> Callable[[], Impl]:
-    return lambda: Impl(name, Form.MODULE, _IdentityLinear, recipe=name, compute_dtype=dtype,
-                        device_independent=dtype == torch.float64)
+def _quiet_import(what: str, load: Callable[[], Any]) -> Any:
+    try:
+        with quiet_imports():
+            return load()
+    except Exception as err:  # noqa: BLE001 - any import failure is reported the same way
+        raise ImplError(f"{what} does not import: {err!r}; install it with `pip install torchao`") from None
+
+
+def _torchao_float8_limits(recipe: Recipe) -> Callable[[Any, str], str | None] | None:
+    """torchao 0.18's axiswise Float8TrainingTensor cannot clone an N-D input stored transposed."""
+    if recipe.gemm("output").a.scaling is not Scaling.AXISWISE:
+        return None
+
+    def limits(case, device_type: str) -> str | None:
+        if len(case.lead) > 1 and case.input_layout is Layout.TRANSPOSED:
+            return ("torchao 0.18 raises on an N-D input stored transposed under axiswise scaling "
+                    "(AssertionError: aten.clone.default with axiswise scaling is not supported yet)")
+        return None
+    return limits
+
+
+def _torchao_float8(recipe: Recipe) -> Callable[[], Impl]:
+    def load() -> Impl:
+        float8 = _quiet_import(f"torchao:{recipe.name} needs torchao.float8, which",
+                               lambda: importlib.import_module("torchao.float8"))
+        return Impl(f"torchao:{recipe.name}", Form.CONVERTER, float8.convert_to_float8_training, recipe=recipe,
+                    convert_kwargs=dict(config=float8.Float8LinearConfig.from_recipe_name(recipe.name)),
+                    limits=_torchao_float8_limits(recipe))
+    return load
+
+
+def _torchao_blockwise_limits(case, device_type: str) -> str | None:
+    if device_type != "cuda":
+        return "torchao's blockwise training runs its quantization in Triton kernels: a CUDA GPU only"
+    if case.bias or case.input_dtype != "bf16" or case.weight_dtype != "bf16":
+        return "torchao's Float8BlockwiseLinear takes bf16 input and weight and no bias"
+    return None
+
+
+class _TorchaoBlockwiseLinear:
+    """torchao.prototype's Float8BlockwiseLinear, imported when first built (it needs Triton, so it
+    does not import on a CPU-only machine, where every case is skipped by its limits)."""
+
+    @staticmethod
+    def from_float(linear: nn.Linear) -> nn.Module:
+        module = _quiet_import("torchao:blockwise needs torchao.prototype.blockwise_fp8_training (and Triton), which",
+                               lambda: importlib.import_module("torchao.prototype.blockwise_fp8_training.linear"))
+        return module.Float8BlockwiseLinear.from_float(linear)
+
+
+def _torchao_blockwise(recipe: Recipe) -> Callable[[], Impl]:
+    return lambda: Impl(f"torchao:{recipe.name}", Form.MODULE, _TorchaoBlockwiseLinear, recipe=recipe,
+                        limits=_torchao_blockwise_limits)
+
+
+def _reference(recipe: Recipe) -> Callable[[], Impl]:
+    return lambda: Impl(recipe.name, Form.MODULE, _IdentityLinear, recipe=recipe)
 
 
 class _IdentityLinear:
@@ -155,29 +220,53 @@ class _IdentityLinear:
         return linear
 
 
-def _emulated() -> Impl:
-    from parity.oracles import emulated_matmul
-    return Impl("emulated", Form.FUNCTION, emulated_matmul, recipe="emulated", device_independent=True)
+def _emulated(recipe: Recipe) -> Callable[[], Impl]:
+    def load() -> Impl:
+        from parity.oracles import emulated_matmul
+        return Impl(f"emulated:{recipe.name}", Form.FUNCTION, emulated_matmul(recipe), recipe=recipe, exact=True)
+    return load
 
 
+# torchao's implementations of the recipes, by recipe name (the float8 module, or the prototype)
+TORCHAO = {"tensorwise": _torchao_float8, "rowwise": _torchao_float8, "rowwise_with_gw_hp": _torchao_float8,
+           "blockwise": _torchao_blockwise}
 BUILTINS: dict[str, Callable[[], Impl]] = {
-    "fp8_impl": _fp8_impl,
-    "torchao:tensorwise": _torchao("tensorwise"),
-    "torchao:rowwise": _torchao("rowwise"),
-    "torchao:rowwise_with_gw_hp": _torchao("rowwise_with_gw_hp"),
-    "emulated": _emulated,
-    "bf16": _reference("bf16", torch.bfloat16),
-    "fp64": _reference("fp64", torch.float64),
+    "fp8_impl": _fp8_impl(RECIPES["tensorwise"]),
+    **{f"fp8_impl:{name}": _fp8_impl(RECIPES[name]) for name in FP8_RECIPES},
+    **{f"torchao:{name}": make(RECIPES[name]) for name, make in TORCHAO.items()},
+    "emulated": _emulated(RECIPES["tensorwise"]),
+    **{f"emulated:{name}": _emulated(RECIPES[name]) for name in FP8_RECIPES},
+    **{name: _reference(recipe) for name, recipe in RECIPES.items() if not recipe.is_fp8},
 }
+del BUILTINS["fp8_impl:tensorwise"]  # it is "fp8_impl"
 BUILTIN_HELP = {
-    "fp8_impl": "this project's minimal tensorwise Float8Linear",
-    "torchao:tensorwise": "torchao Float8Linear, tensorwise recipe",
-    "torchao:rowwise": "torchao Float8Linear, rowwise recipe",
-    "torchao:rowwise_with_gw_hp": "torchao Float8Linear, rowwise with high-precision grad_weight",
-    "emulated": "exact float64 emulation of the tensorwise FP8 math",
+    "fp8_impl": "this project's minimal Float8Linear (tensorwise; fp8_impl:RECIPE for the others)",
+    **{f"torchao:{name}": f"torchao, {name} recipe" for name in TORCHAO},
+    "emulated": "exact float64 emulation of a recipe's FP8 math (emulated:RECIPE; default tensorwise)",
     "bf16": "nn.Linear in bfloat16",
     "fp64": "nn.Linear in float64",
 }
+
+
+def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
+    """The built-in of `family` (fp8_impl, torchao, emulated) implementing `recipe`, if any."""
+    name = f"{family}:{recipe.name}"
+    if family == "fp8_impl" and recipe is RECIPES["tensorwise"]:
+        return "fp8_impl"
+    return name if name in BUILTINS else None
+
+
+def default_reference(candidate: Impl, device_type: str) -> Impl:
+    """What a candidate is compared with when the user names nothing: its recipe's parity
+    reference on this device (torchao's implementation of the recipe), or the recipe's exact
+    emulation when that is the candidate itself or there is none; fp64 for a high-precision one."""
+    recipe = candidate.recipe
+    if not recipe.is_fp8:
+        return load_impl("fp64")
+    name = recipe.parity_reference.get(device_type)
+    if name is None or name == candidate.name:
+        name = builtin_for_recipe("emulated", recipe)
+    return load_impl(name)
 
 
 # ---- loading by name ----------------------------------------------------------------------------
@@ -255,22 +344,40 @@ def _prefer_impl_path() -> None:
             sys.path.insert(0, path)
 
 
-def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | None = None) -> Impl:
-    """The implementation named by `spec` (a built-in, `module:attr` or `file.py:attr`)."""
+def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | Recipe | None = None) -> Impl:
+    """The implementation named by `spec` (a built-in, `module:attr` or `file.py:attr`).
+
+    `recipe` (a name of parity.recipes) is what your code claims to implement; for a built-in
+    family ("fp8_impl", "emulated") it picks that family's implementation of the recipe, and a
+    built-in that implements another recipe is an error."""
     _prefer_impl_path()
     spec = spec.strip()
+    wanted = None if recipe is None else get_recipe(recipe)
+    family = spec.split(":")[0]
+    if wanted is not None and spec in ("fp8_impl", "emulated"):
+        spec = builtin_for_recipe(family, wanted) or spec
     if spec in BUILTINS:
         impl = BUILTINS[spec]()
+        if wanted is not None and impl.recipe is not wanted:
+            raise ImplError(f"{spec} implements the {impl.recipe.name} recipe, not {wanted.name}: drop --recipe, or "
+                            f"name {builtin_for_recipe(family, wanted) or 'an implementation of ' + wanted.name}")
     else:
+        close = difflib.get_close_matches(spec, list(BUILTINS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         if ":" not in spec:
             raise ImplError(
-                f"unknown implementation {spec!r}: name a built-in ({', '.join(BUILTINS)}) or "
+                f"unknown implementation {spec!r}: {hint}name a built-in ({', '.join(BUILTINS)}) or "
                 f"'package.module:attr' or 'path/to/file.py:attr'")
         module_spec, _, attr = spec.rpartition(":")
-        target = _import_target(module_spec, attr)
-        impl = Impl(spec, detect_form(target) if form is None else Form(form), target)
+        try:
+            target = _import_target(module_spec, attr)
+        except ImplError as err:
+            if close:  # torchao:tensorwize is more likely a typo of a built-in than an attribute
+                raise ImplError(f"unknown implementation {spec!r}: {hint}(it is no built-in, and as "
+                                f"'module:attr' it does not load: {str(err).split(';')[0]})") from None
+            raise
+        impl = Impl(spec, detect_form(target) if form is None else Form(form), target, recipe=wanted or
+                    RECIPES["tensorwise"])
     if form is not None:
         impl.form = Form(form)
-    if recipe is not None:
-        impl.recipe = recipe
     return impl

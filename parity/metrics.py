@@ -44,10 +44,14 @@ def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
-def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dtype | None = None) -> dict:
+def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dtype | None = None,
+            overflow_dtype: torch.dtype | None = None) -> dict:
     """Metrics of `candidate` against `reference` (same shape). ULP distances and the
-    mismatch tolerance are in `dtype` (default: the candidate's dtype)."""
+    mismatch tolerance are in `dtype` (default: the candidate's dtype); an infinity counts as
+    unexpected where the reference is below half the max of `overflow_dtype` (default `dtype`:
+    pass the narrowest dtype the result went through, e.g. an fp16 GEMM output cast to bf16)."""
     dtype = dtype or candidate.dtype
+    overflow_dtype = overflow_dtype or dtype
     rtol, atol = DEFAULT_TOLERANCE.get(dtype, (0.0, 0.0))
     if candidate.dtype == reference.dtype and candidate.shape == reference.shape and candidate.numel() \
             and torch.equal(candidate, reference):  # the common case of parity: a few ops, one sync
@@ -92,7 +96,7 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
         (abs_err != 0).sum().to(torch.float64), r_finite.pow(4).sum(),
         # infinities where the reference is finite and far from overflowing `dtype` (not an fp16 output
         # that a rounding pushed past 65504, which a correct implementation may also do)
-        (c_inf & ~r_inf & (r_finite.abs() < 0.5 * torch.finfo(dtype).max)).sum().to(torch.float64),
+        (c_inf & ~r_inf & (r_finite.abs() < 0.5 * torch.finfo(overflow_dtype).max)).sum().to(torch.float64),
     ]).tolist()  # the one host transfer
     (signal, noise, max_abs, argmax, worst_c, worst_r, max_rel, n_mismatch, ulp_max, ulp_p99, cosine,
      nan, inf, ref_nan, ref_inf, n_diff, fourth, unexpected_inf) = stats

@@ -1,13 +1,18 @@
-"""Exact float64 emulation of tensorwise FP8 linear-layer math.
+"""Exact float64 emulation of the FP8 math of a linear layer, for any recipe of parity.recipes.
 
-The emulation quantizes exactly as torchao's tensorwise recipe does (amax, float64 scale
-rounded to float32, float32 product, saturating round-to-nearest-even onto the fp8 grid),
-but rounds onto the grid with its own arithmetic rather than torch's fp8 cast, and then
-multiplies the fp8 values in float64. Products of two fp8 values have at most 8
-significant bits, so the float64 sums are exact for any K a GPU can hold; the two inverse
-scales are applied once at the end. What separates a real FP8 GEMM from this oracle is
-therefore its accumulation (fp32 or fast-accum partial sums) and the final rounding, and
-nothing else: a mismatch beyond that bound is a bug, not noise.
+The emulation quantizes exactly as the recipe says (amax over the elements sharing a scale,
+float64 scale rounded to float32, optionally down to a power of two, float32 product,
+saturating round-to-nearest-even onto the fp8 grid), but rounds onto the grid with its own
+arithmetic rather than torch's fp8 cast, and then multiplies the fp8 values in float64.
+Products of two fp8 values have at most 8 significant bits, so float64 sums of them are exact
+for any K a GPU can hold (and the sums of one 128-long block, which block scales need, are
+exact too); the inverse scales are applied once per block. What separates a real FP8 GEMM from
+this oracle is therefore its accumulation (fp32 or fast-accum partial sums) and the final
+rounding, and nothing else: a mismatch beyond that bound is a bug, not noise.
+
+Every operand is handled in its "inner dim last" orientation, as the GEMM reads it: A as
+[rows, inner], B as B.T = [cols, inner] (output: input [M,K] and weight [N,K]; grad_input:
+grad_output [M,N] and weight.T [K,N]; grad_weight: grad_output.T [N,M] and input.T [K,M]).
 
 The float64 and bfloat16 nn.Linear references need no code here: they are nn.Linear run
 with the case's data cast to that dtype (see parity.impls).
@@ -15,15 +20,18 @@ with the case's data cast to that dtype (see parity.impls).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import math
 from typing import Sequence
 
 import torch
 
+from parity.recipes import GEMMS, RECIPES, Cast, Recipe, Scaling
+
 EPS = 1e-12  # the amax floor of torchao's amax_to_scale
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TENSORWISE = RECIPES["tensorwise"]
 
 
 @dataclass(frozen=True)
@@ -52,101 +60,167 @@ def round_to_fp8_grid(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass
 class Quantized:
-    values: torch.Tensor  # float64 values on the fp8 grid (x * scale, saturated and rounded)
-    inv_scale: torch.Tensor  # float64 0-dim: the float32 inverse scale handed to _scaled_mm
-    fp8_dtype: torch.dtype
+    """One GEMM operand as the GEMM consumes it, laid out [rows, inner]."""
+
+    values: torch.Tensor  # float64 values on the fp8 grid (x * scale, saturated and rounded); hp: x itself
+    inv_scale: torch.Tensor  # float64 [rows / r, inner / i]: the inverse scales handed to the GEMM
+    tile: tuple[int, int]  # (r, i): the elements sharing one scale
+    fp8_dtype: torch.dtype | None  # None: a high-precision operand
+
+    def per_block(self, block: int) -> torch.Tensor:
+        """The inverse scale of each row and each `block`-long stretch of the inner dim: [rows, inner / block]."""
+        r, i = self.tile
+        return self.inv_scale.repeat_interleave(r, dim=0).repeat_interleave(i // block, dim=1)
 
     def dequantized(self) -> torch.Tensor:
-        return self.values * self.inv_scale
+        r, i = self.tile
+        return self.values * self.inv_scale.repeat_interleave(r, dim=0).repeat_interleave(i, dim=1)
 
 
-def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, *, absolute_amax: bool = True,
+def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, absolute_amax: bool = True,
              scale_dtype: torch.dtype = torch.float32, target_max: float | None = None,
-             clamp_max: float | None = None, inverse_scale: bool = True) -> Quantized:
-    """Tensorwise dynamic scaling, emulated in float64.
+             clamp_max: float | None = None, inverse_scale: bool = True,
+             tile: tuple[int, int] | None = None) -> Quantized:
+    """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
-    The keyword arguments describe *wrong* quantizations, for parity.bisect's "nearest wrong
-    oracle": amax without abs, a scale rounded to bf16, a scale aimed at another format's max,
-    a clamp at another bound, or the scale handed to the GEMM instead of its inverse.
+    `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
+    describe *wrong* quantizations, for parity.bisect's "nearest wrong oracle": amax without
+    abs, a scale rounded to bf16, a scale aimed at another format's max, a clamp at another
+    bound, the scale handed to the GEMM instead of its inverse, scales over other tiles.
     """
+    if isinstance(cast, torch.dtype):
+        cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
+    x = x.reshape(1, -1) if x.dim() == 1 else x
+    rows, inner = x.shape
+    if cast.fp8 is None:
+        return Quantized(x.to(torch.float64), x.new_ones((1, 1), dtype=torch.float64), (rows, inner), None)
+    fp8_dtype = cast.dtype
     fmt = FORMATS[fp8_dtype]
-    amax = (x.abs() if absolute_amax else x).max().to(torch.float64)
+    r, i = tile or cast.scaling.tile(rows, inner)
+    tiles = x.reshape(rows // r, r, inner // i, i)
+    amax = (tiles.abs() if absolute_amax else tiles).amax(dim=(1, 3)).to(torch.float64)
     scale = ((target_max or fmt.max) / torch.clamp(amax, min=EPS)).to(torch.float32)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = scale.to(scale_dtype).to(torch.float32)
-    scaled = (x.to(torch.float64) * scale.to(torch.float64)).to(torch.float32)  # one fp32 rounding
+    scaled = (tiles.to(torch.float64) * scale.to(torch.float64)[:, None, :, None]).to(torch.float32)  # one rounding
     bound = min(fmt.max, clamp_max or fmt.max)
     saturated = scaled.to(torch.float64).clamp(-bound, bound)
     handed = scale.reciprocal() if inverse_scale else scale
-    return Quantized(round_to_fp8_grid(saturated, fp8_dtype), handed.to(torch.float64), fp8_dtype)
+    return Quantized(round_to_fp8_grid(saturated, fp8_dtype).reshape(rows, inner), handed.to(torch.float64),
+                     (r, i), fp8_dtype)
 
 
-def gemm(a: Quantized, b: Quantized, *, transpose_a: bool = False, transpose_b: bool = False) -> torch.Tensor:
-    """Exact product of two quantized operands (op(a) @ op(b)), float64."""
-    av = a.values.t() if transpose_a else a.values
-    bv = b.values.t() if transpose_b else b.values
-    return (av @ bv) * (a.inv_scale * b.inv_scale)
+def _block_of(a: Quantized, b: Quantized) -> int:
+    """The longest stretch of the inner dim over which both operands keep one scale."""
+    return math.gcd(a.tile[1], b.tile[1])
 
 
-def gemm_magnitude(a: Quantized, b: Quantized, *, transpose_a: bool = False, transpose_b: bool = False) -> torch.Tensor:
-    """|op(a)| @ |op(b)| with scales: the size of the terms an accumulation error is relative to."""
-    av = a.values.t() if transpose_a else a.values
-    bv = b.values.t() if transpose_b else b.values
-    return (av.abs() @ bv.abs()) * (a.inv_scale * b.inv_scale)
+def gemm(a: Quantized, b: Quantized, *, magnitude: bool = False) -> torch.Tensor:
+    """Exact A @ B (float64 [rows of A, rows of B]) of A [R, I] and B.T [C, I]; with
+    magnitude=True, |A| @ |B| with the scales: the size of the terms an accumulation error is
+    relative to. Sums of each block of the inner dim are exact; each block's scales multiply it
+    once (a single float64 rounding) and the blocks are summed."""
+    av, bv = (a.values.abs(), b.values.abs()) if magnitude else (a.values, b.values)
+    (rows, inner), cols = av.shape, bv.shape[0]
+    block = _block_of(a, b)
+    if block == inner:  # one scale (or one row/column of scales) along the whole inner dim
+        return (av @ bv.t()) * (a.per_block(inner) * b.per_block(inner).t())
+    blocks = inner // block
+    partial = torch.bmm(av.reshape(rows, blocks, block).transpose(0, 1),
+                        bv.reshape(cols, blocks, block).permute(1, 2, 0))
+    scales = a.per_block(block).t()[:, :, None] * b.per_block(block).t()[:, None, :]  # [blocks, R, C], exact
+    return (partial * scales).sum(0)
+
+
+def operand_views(input_2d: torch.Tensor, weight: torch.Tensor, grad_output_2d: torch.Tensor) -> dict:
+    """(A [rows, inner], B.T [cols, inner]) of each GEMM of a linear layer."""
+    return {"output": (input_2d, weight), "grad_input": (grad_output_2d, weight.t()),
+            "grad_weight": (grad_output_2d.t(), input_2d.t())}
 
 
 @dataclass
 class EmulatedStep:
     """Exact FP8 results of one call (float64, before rounding to the output dtypes), with
-    the magnitudes an accumulation error scales with and each GEMM's inner dimension."""
+    the magnitudes an accumulation error scales with, each GEMM's inner dimension and, when
+    kept, the quantized operands each GEMM consumed (for comparing recorded _scaled_mm calls)."""
 
     output: torch.Tensor  # [M, N]
     grad_input: torch.Tensor  # [M, K]
     grad_weight: torch.Tensor  # [N, K]
     magnitude: dict[str, torch.Tensor]
     inner_dim: dict[str, int]
+    operands: dict[str, tuple[Quantized, Quantized]] = field(default_factory=dict, repr=False)
 
 
-def emulate_linear(input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, *,
-                   input_fp8: torch.dtype = E4M3, weight_fp8: torch.dtype = E4M3,
-                   grad_output_fp8: torch.dtype = E5M2) -> EmulatedStep:
-    """The three GEMMs of a tensorwise FP8 linear layer, exactly (2-D views of N-D tensors)."""
+def emulate_linear(input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor,
+                   recipe: Recipe = TENSORWISE, *, keep_operands: bool = False,
+                   mistakes: dict | None = None) -> EmulatedStep:
+    """The three GEMMs of an FP8 linear layer under `recipe`, exactly (2-D views of N-D tensors).
+
+    `mistakes` maps (gemm, "a"|"b") or an operand name to quantize() keyword overrides, for the
+    wrong oracles of parity.bisect."""
     K, N = input.shape[-1], weight.shape[0]
-    qx = quantize(input.reshape(-1, K), input_fp8)
-    qw = quantize(weight, weight_fp8)
-    qgo = quantize(grad_output.reshape(-1, N), grad_output_fp8)
-    return EmulatedStep(
-        output=gemm(qx, qw, transpose_b=True),
-        grad_input=gemm(qgo, qw),
-        grad_weight=gemm(qgo, qx, transpose_a=True),
-        magnitude=dict(output=gemm_magnitude(qx, qw, transpose_b=True), grad_input=gemm_magnitude(qgo, qw),
-                       grad_weight=gemm_magnitude(qgo, qx, transpose_a=True)),
-        inner_dim=dict(output=K, grad_input=N, grad_weight=qx.values.shape[0]),
-    )
+    views = operand_views(input.reshape(-1, K), weight, grad_output.reshape(-1, N))
+    mistakes = mistakes or {}
+    results, magnitude, operands = {}, {}, {}
+    for spec in recipe.gemms:
+        (a, bt), quantized = views[spec.name], []
+        for role, operand, cast, tensor in (("a", spec.operands[0], spec.a, a), ("b", spec.operands[1], spec.b, bt)):
+            options = {**mistakes.get(operand, {}), **mistakes.get((spec.name, role), {})}
+            quantized.append(quantize(tensor, options.pop("cast", cast), pow2=options.pop("pow2", recipe.pow2_scales),
+                                      **options))
+        results[spec.name] = gemm(*quantized)
+        magnitude[spec.name] = gemm(*quantized, magnitude=True)
+        if keep_operands:
+            operands[spec.name] = tuple(quantized)
+    return EmulatedStep(**results, magnitude=magnitude, inner_dim=dict(output=K, grad_input=N,
+                                                                       grad_weight=views["output"][0].shape[0]),
+                        operands=operands)
+
+
+def result_dtypes(recipe: Recipe, gemm_name: str, out_dtype: torch.dtype) -> list[torch.dtype]:
+    """The dtypes a GEMM's result is rounded to on its way to `out_dtype` (axis- and block-scaled
+    GEMMs of recipes with scaled_out_bf16 write bf16 first)."""
+    if recipe.scaled_out_bf16 and recipe.gemm(gemm_name).kind in ("rowwise", "blockwise") \
+            and out_dtype != torch.bfloat16:
+        return [torch.bfloat16, out_dtype]
+    return [out_dtype]
 
 
 class _EmulatedMatmul(torch.autograd.Function):
-    """`input_2d @ weight.T` with exact tensorwise-FP8 numerics, as a differentiable function."""
+    """`input_2d @ weight.T` with a recipe's exact FP8 numerics, as a differentiable function."""
 
     @staticmethod
-    def forward(ctx, input_2d, weight):
-        qx, qw = quantize(input_2d, E4M3), quantize(weight, E4M3)
-        ctx.quantized = (qx, qw)
-        ctx.weight_dtype = weight.dtype
-        return gemm(qx, qw, transpose_b=True).to(input_2d.dtype)
+    def forward(ctx, input_2d, weight, recipe: Recipe):
+        ctx.save_for_backward(input_2d, weight)
+        ctx.recipe = recipe
+        return _emulated_gemm(recipe, "output", input_2d, weight, input_2d.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
-        qx, qw = ctx.quantized
-        qgo = quantize(grad_output, E5M2)
+        input_2d, weight = ctx.saved_tensors
+        views = operand_views(input_2d, weight, grad_output)
+        grad_input = _emulated_gemm(ctx.recipe, "grad_input", *views["grad_input"], grad_output.dtype)
         # Rounded to grad_output's dtype first, as a real FP8 GEMM writes it, then cast.
-        grad_input = gemm(qgo, qw).to(grad_output.dtype)
-        grad_weight = gemm(qgo, qx, transpose_a=True).to(grad_output.dtype).to(ctx.weight_dtype)
-        return grad_input, grad_weight
+        grad_weight = _emulated_gemm(ctx.recipe, "grad_weight", *views["grad_weight"], grad_output.dtype)
+        return grad_input, grad_weight.to(weight.dtype), None
 
 
-def emulated_matmul(input_2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The `emulated` built-in: exact FP8 math in the function form of an implementation."""
-    return _EmulatedMatmul.apply(input_2d, weight)
+def _emulated_gemm(recipe: Recipe, name: str, a: torch.Tensor, bt: torch.Tensor, out_dtype: torch.dtype):
+    spec = recipe.gemm(name)
+    value = gemm(quantize(a, spec.a, pow2=recipe.pow2_scales), quantize(bt, spec.b, pow2=recipe.pow2_scales))
+    for dtype in result_dtypes(recipe, name, out_dtype):
+        value = value.to(dtype)
+    return value
+
+
+def emulated_matmul(recipe: Recipe = TENSORWISE):
+    """The `emulated:<recipe>` built-in: exact FP8 math in the function form of an implementation."""
+    def matmul(input_2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _EmulatedMatmul.apply(input_2d, weight, recipe)
+    matmul.__name__ = f"emulated_{recipe.name}"
+    return matmul
 
 
 # ---- how far a real FP8 GEMM may be from the exact result ------------------------------------------
@@ -187,12 +261,12 @@ _SMALLEST_SUBNORMAL = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, t
                        torch.float64: 2.0 ** -1074}
 
 
-def rounding_chain(case, tensor: str) -> list[torch.dtype]:
+def rounding_chain(case, tensor: str, recipe: Recipe = TENSORWISE) -> list[torch.dtype]:
     """The dtypes a tensor's GEMM result is rounded to, in order (as torchao and fp8_impl write it)."""
     out = case.torch_input_dtype  # the output (and grad_output) dtype
     target = {"output": out, "grad_input": out, "grad_weight": case.torch_weight_dtype,
               "grad_bias": case.torch_weight_dtype}[tensor]
-    chain = [out]
+    chain = result_dtypes(recipe, tensor, out) if tensor in GEMMS else [out]
     if tensor == "output" and case.bias:
         chain.append(out)  # the bias is added in the output dtype: a second rounding
     if target != out:
@@ -200,9 +274,9 @@ def rounding_chain(case, tensor: str) -> list[torch.dtype]:
     return chain
 
 
-def rounded_like_result(value: torch.Tensor, case, tensor: str) -> torch.Tensor:
+def rounded_like_result(value: torch.Tensor, case, tensor: str, recipe: Recipe = TENSORWISE) -> torch.Tensor:
     """An exact float64 result rounded the way an implementation writes it (rounding_chain)."""
-    for dtype in rounding_chain(case, tensor):
+    for dtype in rounding_chain(case, tensor, recipe):
         value = value.to(dtype)
     return value
 

@@ -1,34 +1,47 @@
 """Parity policies: when does a result row count as a violation, and why that threshold.
 
-bitwise       A tensorwise implementation against a tensorwise reference in eager mode must
-              be bitwise equal in every tensor: both quantize identically and call the same
-              GEMMs with the same flags. Measured: fp8_impl and torchao tensorwise agree
-              bitwise on CPU and on the H200 (DESIGN.md, README). Any difference is a bug.
-accumulation  Against the exact float64 emulation, a correct tensorwise implementation can
+Every row carries its policy (parity.runner writes it, from default_policy or the user's
+choice), and `evaluate` is the one function that judges rows: check, sweep, report, diff and
+the property suite all call it, so no two commands can disagree about the same rows.
+
+bitwise       Two implementations of the same recipe (parity.recipes) in eager mode must be
+              bitwise equal in every tensor: both quantize identically and call the same GEMMs
+              with the same flags. Measured: fp8_impl and torchao agree bitwise for tensorwise,
+              rowwise and rowwise_with_gw_hp on CPU and on the H200. Any difference is a bug.
+accumulation  Against the exact float64 emulation of its recipe, a correct implementation can
               differ only by accumulation and rounding; each element must lie within the
-              rigorous bound of parity.runner._accumulation_bound (Higham's gamma_k with fp32,
-              or fast-accum on the GPU's output GEMM, plus the output roundings).
+              rigorous bound of parity.oracles.accumulation_excess (Higham's gamma_k with fp32,
+              or the tensor-core model on the GPU, plus the output roundings). The GEMM calls
+              it records must also hand each GEMM the oracle's fp8 bytes and scales, bitwise
+              (parity.diagnose): a violation "operand" names the GEMM, operand and stage.
 sqnr          Against fp64 or bf16 nn.Linear: SQNR at least a floor per recipe, tensor and
-              distribution. The floors come from a quantization-noise model that predicts
-              the measured medians (e4m3 operands: 28.5 dB per GEMM; e4m3 x e5m2: 24.6 dB;
-              bf16: 50.8 dB) minus 3 dB for the model (over 280 random cases from 16x16 to
-              256x256 on CPU the lowest SQNR sat 1.8 dB below the median, normal data), minus
-              four standard deviations of the SQNR estimate itself: a tensor whose energy sits in
-              n_eff = (sum r^2)^2 / sum r^4 elements measures its noise power from ~n_eff squared
-              errors, relative std sqrt(2 / n_eff) (an outlier channel leaves n_eff ~ N: on the
-              H200 a 16x16 grad_weight with one outlier column measured 21.5 dB, 3.1 dB under
-              the model). Data
-              that spreads over ~20 binades (`tiny`) loses its smallest values to fp8's
-              subnormal range: its floor is 10 dB below the model (lowest measured: 6.2 below).
-              All-zero data leaves only the bias's rounding to the output dtype: bf16's floor.
-              (test_properties checks that zeros give exact zeros.) Not applicable: fp16 with `nearmax` data, whose
-              products (448^2 each) exceed fp16's max of 65504, so whether an output overflows
-              depends on quantization noise; the exact FP8 emulation (accumulation policy) judges
-              those cases instead, and overflows exactly where a correct implementation does.
+              distribution. The floors come from the recipe's quantization-noise model
+              (Recipe.expected_sqnr_db: e4m3 x e4m3 28.5 dB per GEMM; e4m3 x e5m2 24.6 dB;
+              bf16 rounding alone 50.8 dB) minus 3 dB for the model (over 280 random cases from
+              16x16 to 256x256 on CPU the lowest SQNR sat 1.8 dB below the median, normal data),
+              minus four standard deviations of the SQNR estimate itself: a tensor whose energy
+              sits in n_eff = (sum r^2)^2 / sum r^4 elements measures its noise power from
+              ~n_eff squared errors, relative std sqrt(2 / n_eff) (an outlier channel leaves
+              n_eff ~ N: on the H200 a 16x16 grad_weight with one outlier column measured
+              21.5 dB, 3.1 dB under the model). Data that spreads over ~20 binades (`tiny`)
+              loses its smallest values to fp8's subnormal range: its floor is 10 dB below the
+              model (lowest measured: 6.2 below). All-zero data leaves only the bias's rounding
+              to the output dtype: bf16's floor. (test_properties checks that zeros give exact
+              zeros.) Not applicable: fp16 with `nearmax` data, whose products (448^2 each)
+              exceed fp16's max of 65504, so whether an output overflows depends on
+              quantization noise; the exact FP8 emulation (accumulation policy) judges those
+              cases instead, and overflows exactly where a correct implementation does. Nor
+              `tiny_amax` data (amax 1e-30): the scale's EPS floor of 1e-12 quantizes it to
+              zeros by design; nor `outlier_row` data (one token 10^4 times larger): one scale
+              per tensor crushes every other row into fp8's subnormals, which rowwise and
+              blockwise scales avoid: a property of the recipe, measured in the sweep's tables
+              (fp16 input, measured: output SQNR 15 dB tensorwise where the outlier row
+              overflows fp16), not a bug. Bitwise and accumulation policies judge both.
 paired        A candidate of another recipe against a reference (rowwise against tensorwise):
               both are measured against fp64 on the same inputs, and the candidate may be at
               most 3 dB worse. Measured worst paired gap, rowwise vs tensorwise output over 280
               cases: 2.8 dB (power-of-two scales waste up to one bit of range).
+none          Measured, not judged: the fp64 rows a paired comparison reads.
 
 Every policy also reports, for any candidate: a crash, a broken nn.Linear contract, a
 _scaled_mm call that would fail on an H100, and NaN/Inf that the reference does not have.
@@ -43,18 +56,11 @@ from typing import Iterable, Mapping
 
 import pandas as pd
 
+from parity.recipes import RECIPES, Recipe, get_recipe
+
 SQNR_MARGIN_DB = 3.0
 TINY_MARGIN_DB = 10.0
 PAIRED_MARGIN_DB = 3.0
-# Predicted SQNR (dB) against fp64 per recipe and tensor (quantization-noise model; matches
-# the medians measured on CPU and H200, DESIGN.md).
-EXPECTED_SQNR_DB = {
-    "tensorwise": dict(output=28.5, grad_input=24.6, grad_weight=24.6, grad_bias=40.0),
-    "rowwise": dict(output=28.5, grad_input=28.5, grad_weight=28.5, grad_bias=40.0),
-    "rowwise_with_gw_hp": dict(output=28.5, grad_input=28.5, grad_weight=45.0, grad_bias=40.0),
-    "bf16": dict(output=50.8, grad_input=50.8, grad_weight=50.8, grad_bias=40.0),
-    "emulated": dict(output=28.5, grad_input=24.6, grad_weight=24.6, grad_bias=40.0),
-}
 
 
 class Policy(str, enum.Enum):
@@ -62,17 +68,19 @@ class Policy(str, enum.Enum):
     ACCUMULATION = "accumulation"
     SQNR = "sqnr"
     PAIRED = "paired"
+    NONE = "none"  # measured, not judged (the fp64 rows a paired comparison reads)
 
 
-def default_policy(candidate_recipe: str, reference_name: str, reference_recipe: str) -> Policy:
-    """The policy a (candidate, reference) pair is judged by unless the user names one."""
-    if reference_name == "emulated":
-        return Policy.ACCUMULATION if candidate_recipe == "tensorwise" else Policy.SQNR
-    if reference_recipe in ("fp64", "bf16"):
+def default_policy(candidate, reference) -> Policy:
+    """The policy a (candidate, reference) pair of parity.impls.Impl is judged by unless the user
+    names one: read from their recipes, never from their names."""
+    if reference.is_reference:  # a high-precision nn.Linear
         return Policy.SQNR
-    if candidate_recipe == reference_recipe:
-        return Policy.BITWISE
-    return Policy.PAIRED
+    if candidate.recipe is not reference.recipe:
+        return Policy.PAIRED
+    if reference.exact or candidate.exact:
+        return Policy.ACCUMULATION
+    return Policy.BITWISE
 
 
 def sampling_margin_db(n_eff: float) -> float:
@@ -81,17 +89,18 @@ def sampling_margin_db(n_eff: float) -> float:
     return 10 * math.log10(1 + 4 * math.sqrt(2 / max(n_eff, 1.0)))
 
 
-def sqnr_floor(recipe: str, tensor: str, dist: str, input_dtype: str = "bf16", n_eff: float = math.inf) -> float | None:
+def sqnr_floor(recipe: Recipe | str, tensor: str, dist: str, input_dtype: str = "bf16",
+               n_eff: float = math.inf) -> float | None:
     """Lowest acceptable SQNR (dB) against fp64/bf16 for this recipe, tensor and distribution, on a
     tensor of `n_eff` effective elements; None where the sqnr policy does not apply (see the
     module docstring)."""
-    if dist == "nearmax" and input_dtype == "fp16":
+    recipe = get_recipe(recipe)
+    if (dist == "nearmax" and input_dtype == "fp16") or dist in ("tiny_amax", "outlier_row"):
         return None
     sampling = sampling_margin_db(n_eff) if math.isfinite(n_eff) else 0.0
     if dist == "zeros":  # nothing to quantize; only the bias's rounding to the output dtype remains
-        return EXPECTED_SQNR_DB["bf16"][tensor] - SQNR_MARGIN_DB - sampling
-    expected = EXPECTED_SQNR_DB.get(recipe, EXPECTED_SQNR_DB["tensorwise"])[tensor]
-    return expected - (TINY_MARGIN_DB if dist == "tiny" else SQNR_MARGIN_DB) - sampling
+        return RECIPES["bf16"].expected_sqnr_db(tensor) - SQNR_MARGIN_DB - sampling
+    return recipe.expected_sqnr_db(tensor) - (TINY_MARGIN_DB if dist == "tiny" else SQNR_MARGIN_DB) - sampling
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,7 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def _row_violations(row: Mapping, policy: Policy, recipe: str) -> list[Violation]:
+def _row_violations(row: Mapping, policy: Policy) -> list[Violation]:
     where = (f"greatest abs diff {_fmt(row['max_abs_err'])} at index {row['max_abs_index']} "
              f"(candidate {_fmt(row['worst_candidate'])}, {row['reference']} {_fmt(row['worst_reference'])}, "
              f"{_fmt(row['ulp_max'])} ulp)")
@@ -132,6 +141,7 @@ def _row_violations(row: Mapping, policy: Policy, recipe: str) -> list[Violation
         row["case_id"], row["impl"], row["reference"], row["tensor"], int(row["step"]), metric, value, allowed,
         f"{row['tensor']} (step {row['step']}): {message}", where)
     out = []
+    recipe = _text(row, "recipe") or "tensorwise"
     floor = (sqnr_floor(recipe, row["tensor"], row["dist"], row["input_dtype"], row.get("n_eff", math.inf))
              if policy is Policy.SQNR else None)
     if policy is Policy.SQNR and floor is None:
@@ -176,13 +186,22 @@ def _candidate_violations(row: Mapping) -> list[Violation]:
     return out
 
 
-def evaluate(rows: pd.DataFrame | Iterable[Mapping], policies: Mapping[str, Policy],
-             recipes: Mapping[str, str]) -> list[Violation]:
-    """All violations in `rows`. `policies` maps reference name -> policy, `recipes` maps
-    implementation name -> recipe (for floors). A crash is reported once per case."""
+def row_policy(row: Mapping) -> Policy:
+    """The policy a result row is judged by: its `policy` column (written by parity.runner)."""
+    return Policy(_text(row, "policy") or Policy.NONE.value)
+
+
+def evaluate(rows: pd.DataFrame | Iterable[Mapping], *, impls: Iterable[str] | None = None) -> list[Violation]:
+    """All violations in `rows` (of the implementations `impls`, default all), each row judged by
+    the policy it carries. The one verdict path: check, sweep, report and the property suite call
+    it. A crash is reported once per case; skipped rows (a case an implementation cannot take)
+    are no violation."""
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+    wanted = None if impls is None else set(impls)
     violations, seen = [], set()
     for row in records:
+        if (wanted is not None and row["impl"] not in wanted) or _text(row, "skipped"):
+            continue
         if _text(row, "error"):
             if (row["case_id"], row["impl"]) not in seen:
                 seen.add((row["case_id"], row["impl"]))
@@ -191,35 +210,42 @@ def evaluate(rows: pd.DataFrame | Iterable[Mapping], policies: Mapping[str, Poli
             continue
         if _text(row, "reference_error"):
             continue  # not the candidate's fault: run_check reports it as an error verdict
-        key = (row["case_id"], row["impl"], row["tensor"], row["step"])
-        if key not in seen:
-            seen.add(key)
-            violations.extend(_candidate_violations(row))
-        policy = policies.get(row["reference"])
-        if policy is not None and policy is not Policy.PAIRED:
-            violations.extend(_row_violations(row, policy, recipes.get(row["impl"], "tensorwise")))
-    violations.extend(_paired_violations(records, policies))
+        for violation in _candidate_violations(row):  # the same on every row of a key: kept once
+            key = (row["case_id"], row["impl"], row["tensor"], row["step"], violation.metric, violation.message)
+            if key not in seen:
+                seen.add(key)
+                violations.append(violation)
+        policy = row_policy(row)
+        if _text(row, "operands") and policy in (Policy.BITWISE, Policy.ACCUMULATION):
+            violations.append(Violation(row["case_id"], row["impl"], row["reference"], row["tensor"], int(row["step"]),
+                                        "operand", row["operands"], f"the {row.get('recipe')} oracle's operands",
+                                        f"{row['tensor']} (step {row['step']}): the GEMM was handed other operands "
+                                        f"than the recipe's: {row['operands']}"))
+        if policy not in (Policy.PAIRED, Policy.NONE):
+            violations.extend(_row_violations(row, policy))
+    violations.extend(_paired_violations(records, wanted))
     return violations
 
 
-def _paired_violations(records: list[Mapping], policies: Mapping[str, Policy]) -> list[Violation]:
-    paired_refs = [ref for ref, policy in policies.items() if policy is Policy.PAIRED]
-    if not paired_refs:
+def _paired_violations(records: list[Mapping], wanted: set | None) -> list[Violation]:
+    paired = [r for r in records if _text(r, "policy") == Policy.PAIRED.value and not _text(r, "skipped")
+              and (wanted is None or r["impl"] in wanted)]
+    if not paired:
         return []
     sqnr = {(r["case_id"], r["impl"], r["tensor"], r["step"]): r["sqnr_db"]
-            for r in records if r["reference"] == "fp64" and not _text(r, "error")}
+            for r in records if r["reference"] == "fp64" and not _text(r, "error") and not _text(r, "skipped")}
     out = []
-    for r in records:
-        if r["reference"] != "fp64" or _text(r, "error") or r["impl"] in paired_refs:
+    for r in paired:
+        if _text(r, "error") or _text(r, "reference_error"):
             continue
-        for ref in paired_refs:
-            ref_sqnr = sqnr.get((r["case_id"], ref, r["tensor"], r["step"]))
-            if ref_sqnr is None or ref_sqnr == math.inf:
-                continue
-            if not r["sqnr_db"] >= ref_sqnr - PAIRED_MARGIN_DB:
-                out.append(Violation(
-                    r["case_id"], r["impl"], ref, r["tensor"], int(r["step"]), "paired_sqnr_db", r["sqnr_db"],
-                    ref_sqnr - PAIRED_MARGIN_DB,
-                    f"{r['tensor']} (step {r['step']}): SQNR against fp64 {_fmt(r['sqnr_db'])} dB is more than "
-                    f"{PAIRED_MARGIN_DB} dB below {ref}'s {_fmt(ref_sqnr)} dB on the same inputs"))
+        mine = sqnr.get((r["case_id"], r["impl"], r["tensor"], r["step"]))
+        ref_sqnr = sqnr.get((r["case_id"], r["reference"], r["tensor"], r["step"]))
+        if mine is None or ref_sqnr is None or ref_sqnr == math.inf:
+            continue
+        if not mine >= ref_sqnr - PAIRED_MARGIN_DB:
+            out.append(Violation(
+                r["case_id"], r["impl"], r["reference"], r["tensor"], int(r["step"]), "paired_sqnr_db", mine,
+                ref_sqnr - PAIRED_MARGIN_DB,
+                f"{r['tensor']} (step {r['step']}): SQNR against fp64 {_fmt(mine)} dB is more than "
+                f"{PAIRED_MARGIN_DB} dB below {r['reference']}'s {_fmt(ref_sqnr)} dB on the same inputs"))
     return out

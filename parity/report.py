@@ -32,26 +32,29 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from parity.cases import TENSORS
+from parity.policy import Policy, Violation, evaluate
 
 ACCURACY_REFERENCE = "fp64"
-PARITY_REFERENCE = "torchao:tensorwise"
 RESULTS_FILE, ENV_FILE = "results.csv.gz", "env.json"
 KEY = ["case_id", "impl", "reference", "tensor", "step"]
 REQUIRED_COLUMNS = [*KEY, "K", "dist", "input_dtype", "weight_dtype", "input_layout", "weight_layout",
                     "grad_output_layout", "bitwise", "n_diff", "numel", "sqnr_db", "max_rel_err", "max_abs_err",
-                    "max_abs_index", "nan", "inf", "error", "reference_error", "contract", "scaled_mm"]
+                    "max_abs_index", "nan", "inf", "error", "reference_error", "contract", "scaled_mm", "recipe",
+                    "policy", "skipped", "operands"]
 LAYOUT_COLUMNS = {"input_layout": "in", "weight_layout": "w", "grad_output_layout": "go"}
 OPERAND_LAYOUTS = [f"{operand}:{letter}" for operand in LAYOUT_COLUMNS.values() for letter in "CTSP"]
 K_BINS, K_LABELS = [0, 64, 256, 1024, 4096, math.inf], ["16-64", "65-256", "257-1024", "1025-4096", ">4096"]
 TEXT_COLUMNS = ["case_id", "lead", "error", "reference_error", "contract", "scaled_mm", "dtype", "max_abs_index",
-                "bound_index"]
+                "bound_index", "recipe", "reference_recipe", "policy", "skipped", "operands"]
 DETAILS_PER_FINDING = 20
 EXAMPLES_IN_HEADLINE = 3
 TABLE_HEADINGS = {  # table name -> (heading, note)
     "overall": ("Accuracy against fp64 and bitwise parity, per implementation and tensor",
                 "SQNR columns are order statistics over the rows against fp64; inf means bitwise equal to fp64 "
                 "(all-zero data). NaN/Inf counts the candidate's non-finite elements (also where the reference "
-                "has them: fp16 overflow); crashed cases: cases where the implementation raised."),
+                "has them: fp16 overflow); crashed cases: cases where the implementation raised; skipped cases: "
+                "cases the implementation or its reference cannot take (its recipe's alignment, a CUDA-only "
+                "kernel, a known limitation), listed in the verdict."),
     "by_k": ("Median SQNR against fp64 (dB) by K", None),
     "by_dist": ("Median SQNR against fp64 (dB) by data distribution", None),
     "by_layout": ("Median SQNR against fp64 (dB) by operand layout",
@@ -82,7 +85,10 @@ def _validated(frame: pd.DataFrame) -> pd.DataFrame:
         raise ValueError("the results table is empty: there is nothing to report (did the run select no cases?)")
     missing = [column for column in REQUIRED_COLUMNS if column not in frame.columns]
     if missing:
-        raise ValueError(f"the results table lacks the columns {missing}: is it a table of parity.runner.run_cases?")
+        old = {"recipe", "policy", "skipped", "operands"} & set(missing)
+        hint = (" (a table written before recipes were data: rerun the sweep that made it)"
+                if old and len(old) == len(missing) else ": is it a table of parity.runner.run_cases?")
+        raise ValueError(f"the results table lacks the columns {missing}{hint}")
     return frame
 
 
@@ -104,8 +110,18 @@ def _dtype_label(rows: pd.DataFrame) -> pd.Series:
 
 
 def _ran(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows where neither the implementation nor the reference raised: those with metrics."""
-    return rows[rows["error"].isna() & rows["reference_error"].isna()]
+    """The rows where neither the implementation nor the reference raised, nor was the case
+    skipped: those with metrics."""
+    return rows[rows["error"].isna() & rows["reference_error"].isna() & ~_skipped(rows)]
+
+
+def _skipped(rows: pd.DataFrame) -> pd.Series:
+    return rows["skipped"].fillna("").astype(str) != ""
+
+
+def _parity_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows judged bitwise: each implementation against another of its own recipe."""
+    return frame[frame["policy"] == Policy.BITWISE.value]
 
 
 def _accuracy_rows(frame: pd.DataFrame) -> pd.DataFrame:
@@ -114,26 +130,28 @@ def _accuracy_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return rows.assign(tensor=pd.Categorical(rows["tensor"], categories=TENSORS))
 
 
-def _overall(frame: pd.DataFrame, parity_reference: str) -> pd.DataFrame:
+def _overall(frame: pd.DataFrame) -> pd.DataFrame:
     """Per implementation x tensor: the columns of the `overall` table (see summary_tables)."""
     keys = ["impl", "tensor"]
     frame = frame.assign(tensor=pd.Categorical(frame["tensor"], categories=TENSORS))
-    accuracy = frame[frame["reference"] == ACCURACY_REFERENCE].groupby(keys, observed=True)
+    accuracy = _ran(frame[frame["reference"] == ACCURACY_REFERENCE]).groupby(keys, observed=True)
     sqnr = accuracy["sqnr_db"]
-    parity = _ran(frame[frame["reference"] == parity_reference])
+    parity = _ran(_parity_rows(frame))
     once = frame.drop_duplicates(["case_id", "impl", "tensor", "step"])  # an impl's own facts repeat per reference
     crashed = once[once["error"].notna()]
     table = pd.concat({
-        "cases": frame.groupby(keys, observed=True)["case_id"].nunique(),
+        "recipe": frame.groupby(keys, observed=True)["recipe"].first(),
+        "cases": _ran(frame).groupby(keys, observed=True)["case_id"].nunique(),
         "SQNR median (dB)": _order_statistic(sqnr, 0.5),
         "SQNR p05 (dB)": _order_statistic(sqnr, 0.05),
         "SQNR min (dB)": sqnr.min(),
         "max rel err": accuracy["max_rel_err"].max(),
-        f"bitwise vs {parity_reference} (%)": 100 * parity.groupby(keys, observed=True)["bitwise"].mean(),
+        "bitwise vs its recipe's reference (%)": 100 * parity.groupby(keys, observed=True)["bitwise"].mean(),
         "NaN/Inf": (once["nan"] + once["inf"]).groupby([once["impl"], once["tensor"]], observed=True).sum(),
         "crashed cases": crashed.groupby(keys, observed=True)["case_id"].nunique(),
+        "skipped cases": frame[_skipped(frame)].groupby(keys, observed=True)["case_id"].nunique(),
     }, axis=1)
-    counts = ["NaN/Inf", "crashed cases"]
+    counts = ["cases", "NaN/Inf", "crashed cases", "skipped cases"]
     return table.assign(**{c: table[c].fillna(0).astype(int) for c in counts})
 
 
@@ -142,25 +160,26 @@ def _median_sqnr_by(rows: pd.DataFrame, column: str) -> pd.DataFrame:
     return _order_statistic(rows.groupby(["impl", "tensor", column], observed=True)["sqnr_db"], 0.5).unstack(column)
 
 
-def summary_tables(frame: pd.DataFrame, *, parity_reference: str = PARITY_REFERENCE) -> dict[str, pd.DataFrame]:
+def summary_tables(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """The report's tables, indexed by implementation x tensor, values numeric (inf kept).
 
-    overall    cases; median, p05 and min SQNR and max relative error against fp64; the rate
-               (%) of rows bitwise equal to `parity_reference`; the candidate's NaN/Inf
-               elements; cases that crashed.
+    overall    recipe; cases run; median, p05 and min SQNR and max relative error against
+               fp64; the rate (%) of rows bitwise equal to the implementation of the same recipe
+               it was compared with; the implementation's NaN/Inf elements; cases that crashed;
+               cases skipped (the implementation or its reference cannot take them).
     by_k, by_dist, by_layout, by_dtype
                median SQNR against fp64, one column per K bucket, distribution, operand layout
                (marginal: in:T holds every case with a transposed input) or dtype pair. An
                empty cell: no case of that group ran.
     """
     frame = _validated(frame)
-    accuracy = _accuracy_rows(frame)
+    accuracy = _ran(_accuracy_rows(frame))
     layouts = accuracy.melt(id_vars=["impl", "tensor", "sqnr_db"], value_vars=list(LAYOUT_COLUMNS),
                             var_name="operand", value_name="letter")
     layouts = layouts.assign(layout=pd.Categorical(layouts["operand"].map(LAYOUT_COLUMNS) + ":" + layouts["letter"],
                                                    categories=OPERAND_LAYOUTS))
     return {
-        "overall": _overall(frame, parity_reference),
+        "overall": _overall(frame),
         "by_k": _median_sqnr_by(accuracy.assign(K=pd.cut(accuracy["K"], K_BINS, labels=K_LABELS)), "K"),
         "by_dist": _median_sqnr_by(accuracy, "dist"),
         "by_layout": _median_sqnr_by(layouts, "layout"),
@@ -172,76 +191,78 @@ def _where(row) -> str:
     return f"{row.case_id} {row.tensor} step {row.step}"
 
 
-def _describe_parity_loss(row) -> str:
-    if math.isnan(row.max_abs_err):
-        return f"{_where(row)}: not comparable (the shape differs: see the contract)"
-    if row.n_diff == 0:
-        return f"{_where(row)}: equal values in another dtype ({row.dtype})"
-    return (f"{_where(row)}: {row.n_diff:.0f} of {row.numel:.0f} elements differ, greatest abs diff "
-            f"{row.max_abs_err:.4g} at {row.max_abs_index}")
+METRIC_PHRASES = {  # violation metric -> what the implementation did
+    "crash": "crashed", "bitwise": "differs from an implementation of its recipe",
+    "accumulation_bound": "differs from its recipe's exact FP8 result beyond accumulation and rounding",
+    "operand": "hands its GEMMs other fp8 operands or scales than its recipe's",
+    "sqnr_db": "falls below the SQNR floor against fp64",
+    "paired_sqnr_db": "is less accurate than its paired reference",
+    "nonfinite": "gives NaN/Inf the reference does not", "contract": "breaks nn.Linear's contract",
+    "scaled_mm_contract": "makes _scaled_mm calls that would fail on an H100",
+}
 
 
-def _findings(mine: pd.DataFrame, parity_reference: str) -> list[tuple[str, str, pd.DataFrame, Callable]]:
-    """What the candidate did wrong: (what, counted in, the rows that show it, one line of
-    evidence per row), for the kinds of problem that have rows."""
-    parity = mine[mine["reference"] == parity_reference]
-    compared = _ran(parity)
-
-    def flagged(column: str) -> pd.DataFrame:  # the candidate's own problems repeat per reference: once each
-        return mine[mine[column].fillna("") != ""].drop_duplicates(["case_id", "tensor", "step"])
-
-    findings = [
-        (f"differs from {parity_reference}", "comparison", compared[~compared["bitwise"].astype(bool)],
-         _describe_parity_loss),
-        ("crashed", "case", mine[mine["error"].notna()].drop_duplicates("case_id"),
-         lambda row: f"{row.case_id}: {row.error}"),
-        ("breaks nn.Linear's contract", "comparison", flagged("contract"),
-         lambda row: f"{_where(row)}: {row.contract}"),
-        ("makes _scaled_mm calls that would fail on an H100", "comparison", flagged("scaled_mm"),
-         lambda row: f"{_where(row)}: {row.scaled_mm}"),
-        (f"could not be compared because {parity_reference} raised", "comparison",
-         parity[parity["error"].isna() & parity["reference_error"].notna()],
-         lambda row: f"{_where(row)}: {row.reference_error}"),
-    ]
-    return [finding for finding in findings if len(finding[2])]
+def _where(violation: Violation) -> str:
+    return f"{violation.case_id} {violation.tensor} step {violation.step} vs {violation.reference}"
 
 
-def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl",
-            parity_reference: str = PARITY_REFERENCE) -> Verdict:
-    """PASS when `candidate` is bitwise equal to `parity_reference` in every comparison (case x
-    tensor x step), never raised, kept nn.Linear's contract and made no _scaled_mm call that
-    would fail on an H100; FAIL otherwise, naming the first failing cases. A comparison that
-    could not be made because the reference raised also fails: parity was not shown there.
-    NO VERDICT (ok=False) when the frame holds no comparison of the two."""
+def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
+    """PASS when every row of `candidate` meets the policy it carries (parity.policy.evaluate,
+    the same function `check` judges with): bitwise where compared with another implementation
+    of its recipe, within the accumulation bound (and with the oracle's operands) against its
+    recipe's exact emulation, above the SQNR floor against fp64, never raised, kept
+    nn.Linear's contract and made no _scaled_mm call that would fail on an H100; FAIL otherwise,
+    naming the first failing cases. A comparison that could not be made because the reference
+    raised also fails: parity was not shown there. NO VERDICT (ok=False) when the frame holds no
+    judged comparison of the candidate (none, or every case skipped)."""
     frame = _validated(frame)
     mine = frame[frame["impl"] == candidate]
-    parity = mine[mine["reference"] == parity_reference]
-    if parity.empty:
-        return Verdict(False, f"NO VERDICT: the results hold no {candidate} rows against {parity_reference} "
-                              f"(implementations: {', '.join(sorted(frame['impl'].unique()))}; "
-                              f"references: {', '.join(sorted(frame['reference'].unique()))})")
-    sqnr = _overall(mine, parity_reference).loc[candidate].dropna(subset=["SQNR median (dB)"])
+    judged = _ran(mine[mine["policy"] != Policy.NONE.value])
+    if judged.empty:
+        skipped = mine[_skipped(mine)]
+        why = (f"every case was skipped ({skipped['skipped'].iloc[0]})" if len(skipped) else
+               f"the results hold no judged {candidate} rows (implementations: "
+               f"{', '.join(sorted(frame['impl'].unique()))})")
+        if not len(mine[mine["error"].notna()]):
+            return Verdict(False, f"NO VERDICT: {why}")
+    recipe = mine["recipe"].iloc[0]
+    sqnr = _overall(mine).loc[candidate].dropna(subset=["SQNR median (dB)"]) if len(_ran(mine)) else pd.DataFrame()
     accuracy = ("SQNR vs fp64, median (p05): " + ", ".join(
         f"{tensor} {row['SQNR median (dB)']:.1f} ({row['SQNR p05 (dB)']:.1f}) dB" for tensor, row in sqnr.iterrows())
                 if len(sqnr) else "no rows against fp64: accuracy not measured")
-    found = _findings(mine, parity_reference)
-    if not found:
-        output = f"; output SQNR vs fp64 median {sqnr.loc['output', 'SQNR median (dB)']:.1f} dB" \
-            if "output" in sqnr.index else ""
-        return Verdict(True, f"PASS: {candidate} is bitwise equal to {parity_reference} in {len(parity)}/"
-                             f"{len(parity)} comparisons ({_plural(parity['case_id'].nunique(), 'case')}, "
-                             f"{_plural(parity['tensor'].nunique(), 'tensor')}){output}",
-                       [accuracy, "no crash, no contract problem, no _scaled_mm call that would fail on an H100"])
+    skipped = mine[_skipped(mine)].drop_duplicates("case_id")
+    skip_line = ([f"{_plural(len(skipped), 'case')} skipped, not judged: {skipped['skipped'].iloc[0]}"]
+                 if len(skipped) else [])
+    violations = evaluate(mine)
+    reference_failed = mine[mine["error"].isna() & mine["reference_error"].notna() & ~_skipped(mine)]
+    if not violations and reference_failed.empty:
+        by_policy = judged.groupby(["policy", "reference"])["case_id"].agg(["size", "nunique"])
+        said = {"bitwise": "bitwise equal to {ref}", "accumulation": "within the accumulation bound of {ref}",
+                "sqnr": "above the SQNR floor against {ref}", "paired": "within 3 dB of {ref}'s accuracy"}
+        parts = [said[p].format(ref=ref) + f" in {n}/{n} comparisons ({_plural(cases, 'case')})"
+                 for (p, ref), (n, cases) in by_policy.iterrows()]
+        return Verdict(True, f"PASS: {candidate} ({recipe}) is " + "; ".join(parts),
+                       [accuracy, *skip_line, "no crash, no contract problem, no _scaled_mm call that would fail on "
+                                              "an H100, no operand that differs from its recipe's"])
     phrases, details = [], []
-    for what, noun, rows, describe in found:
-        examples = ", ".join(row.case_id if noun == "case" else _where(row)
-                             for row in rows.head(EXAMPLES_IN_HEADLINE).itertuples())
-        more = ", ..." if len(rows) > EXAMPLES_IN_HEADLINE else ""
-        phrases.append(f"{what} in {_plural(len(rows), noun)} (first: {examples}{more})")
-        details += [f"{what}: {describe(row)}" for row in rows.head(DETAILS_PER_FINDING).itertuples()]
-        if len(rows) > DETAILS_PER_FINDING:
-            details.append(f"... and {len(rows) - DETAILS_PER_FINDING} more")
-    return Verdict(False, f"FAIL: {candidate} " + "; ".join(phrases), [*details, accuracy])
+    by_metric: dict[str, list[Violation]] = {}
+    for violation in violations:
+        by_metric.setdefault(violation.metric, []).append(violation)
+    for metric, found in by_metric.items():
+        examples = ", ".join(v.case_id if metric == "crash" else _where(v) for v in found[:EXAMPLES_IN_HEADLINE])
+        more = ", ..." if len(found) > EXAMPLES_IN_HEADLINE else ""
+        noun = "case" if metric == "crash" else "comparison"
+        phrases.append(f"{METRIC_PHRASES.get(metric, metric)} in {_plural(len(found), noun)} (first: {examples}{more})")
+        details += [f"{metric}: {v.case_id}: {v.full_message}" for v in found[:DETAILS_PER_FINDING]]
+        if len(found) > DETAILS_PER_FINDING:
+            details.append(f"... and {len(found) - DETAILS_PER_FINDING} more")
+    if len(reference_failed):
+        first = reference_failed.iloc[0]
+        phrases.append(f"could not be compared in {_plural(len(reference_failed), 'comparison')} because the "
+                       f"reference raised (first: {first['case_id']} vs {first['reference']})")
+        details += [f"reference raised: {row.case_id} {row.tensor} step {row.step} vs {row.reference}: "
+                    f"{row.reference_error}" for row in reference_failed.head(DETAILS_PER_FINDING).itertuples()]
+    return Verdict(False, f"FAIL: {candidate} ({recipe}) " + "; ".join(phrases), [*details, accuracy, *skip_line])
 
 
 _judge = verdict  # write_report's parameter `verdict` shadows the function
@@ -302,8 +323,8 @@ def _plot_sqnr_vs_k(fig: Figure, frame: pd.DataFrame) -> None:
                  f"with infinite SQNR (inf: bitwise equal to fp64) not drawn", fontsize=10)
 
 
-def _plot_parity_heatmap(fig: Figure, frame: pd.DataFrame, candidate: str, parity_reference: str) -> None:
-    rows = _ran(frame[(frame["impl"] == candidate) & (frame["reference"] == parity_reference)])
+def _plot_parity_heatmap(fig: Figure, frame: pd.DataFrame, candidate: str) -> None:
+    rows = _ran(_parity_rows(frame[frame["impl"] == candidate]))
     labelled = rows.assign(layout=_layout_label(rows), dtypes=_dtype_label(rows), bitwise=rows["bitwise"].astype(float))
     rate = 100 * labelled.pivot_table(index="layout", columns="dtypes", values="bitwise", aggfunc="mean")
     fig.set_size_inches(1.3 * rate.shape[1] + 3.5, 0.25 * rate.shape[0] + 1.8)
@@ -315,17 +336,17 @@ def _plot_parity_heatmap(fig: Figure, frame: pd.DataFrame, candidate: str, parit
         if not math.isnan(value):
             ax.text(j, i, f"{_percent(value, 1)}%", ha="center", va="center", fontsize=7)
     fig.colorbar(image, ax=ax, label="bitwise equal (%)")
-    ax.set_title(f"{candidate} bitwise equal to {parity_reference}\n(layout: in/w/go; blank: not run)", fontsize=9)
+    references = ", ".join(sorted(rows["reference"].unique()))
+    ax.set_title(f"{candidate} bitwise equal to {references}\n(layout: in/w/go; blank: not run)", fontsize=9)
 
 
-def _standard_plots(frame: pd.DataFrame, candidate: str, parity_reference: str) -> dict[str, Callable]:
+def _standard_plots(frame: pd.DataFrame, candidate: str) -> dict[str, Callable]:
     """The built-in plots whose data the frame holds."""
     plots = {}
-    if np.isfinite(_accuracy_rows(frame)["sqnr_db"]).any():
+    if np.isfinite(_ran(_accuracy_rows(frame))["sqnr_db"]).any():
         plots["sqnr_vs_k.png"] = partial(_plot_sqnr_vs_k, frame=frame)
-    if len(_ran(frame[(frame["impl"] == candidate) & (frame["reference"] == parity_reference)])):
-        plots["parity_heatmap.png"] = partial(_plot_parity_heatmap, frame=frame, candidate=candidate,
-                                              parity_reference=parity_reference)
+    if len(_ran(_parity_rows(frame[frame["impl"] == candidate]))):
+        plots["parity_heatmap.png"] = partial(_plot_parity_heatmap, frame=frame, candidate=candidate)
     return plots
 
 
@@ -361,8 +382,8 @@ def _html(title: str, judged: Verdict, env: Mapping, sections: list, images: lis
 
 
 def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-parity report",
-                 candidate: str = "fp8_impl", parity_reference: str = PARITY_REFERENCE,
-                 verdict: Verdict | None = None, extra_tables: Mapping[str, pd.DataFrame] | None = None,
+                 candidate: str = "fp8_impl", verdict: Verdict | None = None,
+                 extra_tables: Mapping[str, pd.DataFrame] | None = None,
                  plots: bool = True, extra_plots: Mapping[str, Callable[[Figure], None]] | None = None,
                  tables: Sequence[tuple[str, str | None, pd.DataFrame]] | None = None) -> list[Path]:
     """Write the report of `frame` into `out_dir` (created) and return the paths written.
@@ -375,7 +396,7 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-
     *.png           with plots=True: sqnr_vs_k.png and parity_heatmap.png (where the frame
                     has their data), then `extra_plots` (file name -> draw(fig)) in any case
 
-    `verdict` defaults to verdict(frame, candidate=..., parity_reference=...); pass your own to
+    `verdict` defaults to verdict(frame, candidate=...); pass your own to
     headline another kind of report. `extra_tables` (heading -> table) follow the summary.
     `tables` ((heading, note, table) sections) replaces the parity summary: then `frame` may be
     any tidy table (a benchmark's), `verdict` is required and plots=False skips the parity plots.
@@ -386,15 +407,15 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-
         raise ValueError("write_report(tables=...) needs a verdict: the default one judges parity rows")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    judged = verdict if verdict is not None else _judge(frame, candidate=candidate, parity_reference=parity_reference)
+    judged = verdict if verdict is not None else _judge(frame, candidate=candidate)
     env = frame.attrs.get("env", {})
     frame.to_csv(out / RESULTS_FILE, index=False, compression={"method": "gzip", "mtime": 0})
     (out / ENV_FILE).write_text(json.dumps(env, indent=2, default=str) + "\n")
-    drawings = {**(_standard_plots(frame, candidate, parity_reference) if plots else {}), **(extra_plots or {})}
+    drawings = {**(_standard_plots(frame, candidate) if plots else {}), **(extra_plots or {})}
     images = [_save_figure(out / name, draw) for name, draw in drawings.items()]
     if tables is None:
         tables = [(*TABLE_HEADINGS[name], table)
-                  for name, table in summary_tables(frame, parity_reference=parity_reference).items()]
+                  for name, table in summary_tables(frame).items()]
     sections = [*tables, *((name, None, table) for name, table in (extra_tables or {}).items())]
     (out / "summary.md").write_text(_markdown(title, judged, env, sections, images))
     (out / "index.html").write_text(_html(title, judged, env, sections, images))

@@ -1,9 +1,13 @@
 """Running implementations on cases and comparing them: one case -> rows; many -> a DataFrame.
 
-A row is one case x implementation x reference x tensor x step (tidy): the case's columns,
-the metrics of parity.metrics, the implementation's contract problems, the _scaled_mm calls
-that would fail on an H100, and the exception if the implementation raised (a finding,
-never a crash of the harness).
+What is compared with what is a list of Comparisons (implementation, reference, policy): each
+implementation runs once per case, however many comparisons name it. A row is one case x
+implementation x reference x tensor x step (tidy): the case's columns, the recipes and the
+policy that judges the row, the metrics of parity.metrics, the implementation's contract
+problems, the _scaled_mm calls that would fail on an H100, the differences between its
+recorded GEMM calls and its recipe's oracle (parity.diagnose), the reason a case was skipped
+(an implementation that cannot take it) and the exception if the implementation raised (a
+finding, never a crash of the harness).
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ import pandas as pd
 import torch
 from torch import nn
 
-from parity import oracles
+from parity import cpu_gemm, oracles
 from parity.cases import Case
 from parity.contract import (ScaledMMCall, ScaledMMRecorder, TensorContract, contract_violations,
                              expected_contract, sm90_violations)
 from parity.data import CaseData, make_data, materialize
+from parity.diagnose import call_findings
 from parity.env import environment
 from parity.impls import Impl
 from parity.metrics import METRICS, compare
+from parity.policy import Policy, default_policy
 
 # Cases whose GEMM operands have at most this many elements (256 x 256) compute their exact
 # references and metrics on the CPU: for tensors this small a GPU kernel launch costs more than
@@ -53,8 +59,25 @@ def _describe_exception(err: BaseException, where: str) -> str:
     return f"{where}: {type(err).__name__}: {message}{at}"
 
 
-def execute(impl: Impl, data: CaseData, *, record: bool = False) -> Execution:
-    """Run `impl` forward and backward on every step of `data`; never raises for impl errors."""
+@dataclass(frozen=True)
+class Comparison:
+    """`impl` against `reference`, judged by `policy`."""
+
+    impl: Impl
+    reference: Impl
+    policy: Policy
+
+
+def all_pairs(impls: Sequence[Impl], references: Sequence[Impl], *,
+              policy: Policy | None = None) -> list[Comparison]:
+    """Every implementation against every reference (not itself), each by its default policy."""
+    return [Comparison(impl, reference, policy or default_policy(impl, reference))
+            for impl in impls for reference in references if reference.name != impl.name]
+
+
+def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool = False) -> Execution:
+    """Run `impl` forward and backward on every step of `data`; never raises for impl errors.
+    record: record its _scaled_mm calls (keep_data: with their tensors, for parity.diagnose)."""
     case, result = data.case, Execution(impl)
     in_dtype = impl.compute_dtype or case.torch_input_dtype
     w_dtype = impl.compute_dtype or case.torch_weight_dtype
@@ -63,8 +86,11 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False) -> Execution:
     linear.weight = nn.Parameter(materialize(data.steps[0].weight, case.weight_layout, dtype=w_dtype))
     if case.bias:
         linear.bias = nn.Parameter(data.bias.to(w_dtype).clone())
-    recorder = ScaledMMRecorder(case.M, case.K, case.N) if record else None
+    recorder = ScaledMMRecorder(case.M, case.K, case.N, keep_data=keep_data) if record else None
     where = "building the module"
+    fast_cpu_gemm = cpu_gemm.FastScaledMM() if data.device.type == "cpu" and cpu_gemm.enabled() else None
+    if fast_cpu_gemm is not None:
+        fast_cpu_gemm.__enter__()  # below the recorder: it records the call, then this computes it
     try:
         module, weight, bias = impl.build(linear)
         for step_index, step in enumerate(data.steps):
@@ -80,7 +106,7 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False) -> Execution:
             input_version, weight_version = input._version, weight._version
             where = f"step {step_index}: forward"
             if recorder is not None:
-                recorder.phase = "forward"
+                recorder.phase, recorder.step = "forward", step_index
                 with recorder:
                     output = module(input)
             else:
@@ -105,6 +131,9 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False) -> Execution:
                                    for name, t in results.items()})
     except Exception as err:  # noqa: BLE001 - an implementation that raises is a finding
         result.error = _describe_exception(err, where)
+    finally:
+        if fast_cpu_gemm is not None:
+            fast_cpu_gemm.__exit__(None, None, None)
     if recorder is not None:
         result.calls = recorder.calls
     result.seconds = time.perf_counter() - start
@@ -123,37 +152,59 @@ def _move_to_host(execution: Execution) -> None:
             execution.steps[step][name] = host.reshape(t.shape)
 
 
-def emulated_steps_of(data: CaseData) -> list[oracles.EmulatedStep]:
-    """The exact emulation of every step of `data`, computed on first use and kept with it (a sweep
-    compares several implementations against it on each case)."""
-    if data.emulated is None:
-        data.emulated = [oracles.emulate_linear(s.input, s.weight, s.grad_output) for s in data.steps]
-    return data.emulated
+def emulated_steps_of(data: CaseData, recipe) -> list[oracles.EmulatedStep]:
+    """The exact emulation of every step of `data` under `recipe` (with each GEMM's quantized
+    operands), computed on first use and kept with the data: a sweep compares several
+    implementations against it on each case."""
+    if recipe.name not in data.emulated:
+        data.emulated[recipe.name] = [oracles.emulate_linear(s.input, s.weight, s.grad_output, recipe,
+                                                             keep_operands=True) for s in data.steps]
+    return data.emulated[recipe.name]
 
 
-def compare_executions(data: CaseData, candidate: Execution, reference: Execution, *,
-                       device_type: str) -> list[dict]:
+def _row_base(case: Case, comparison: Comparison, device_type: str) -> dict:
+    return dict(case_id=case.id, **case.as_record(), impl=comparison.impl.name, reference=comparison.reference.name,
+                recipe=comparison.impl.recipe.name, reference_recipe=comparison.reference.recipe.name,
+                policy=comparison.policy.value, device=device_type)
+
+
+def skipped_rows(case: Case, comparison: Comparison, reason: str, *, device_type: str) -> list[dict]:
+    """The rows of a comparison that was not run: every metric missing, `skipped` says why."""
+    base = _row_base(case, comparison, device_type)
+    empty = {**{m: math.nan for m in METRICS}, "bitwise": False, "error": None, "reference_error": None,
+             "contract": "", "scaled_mm": "", "operands": "", "skipped": reason, "bound_ratio": math.nan,
+             "n_beyond_bound": math.nan, "bound_index": None}
+    return [dict(base, tensor=tensor, step=step, **empty) for step in range(case.steps) for tensor in case.tensors]
+
+
+def compare_executions(data: CaseData, candidate: Execution, reference: Execution, *, device_type: str,
+                       policy: Policy | None = None) -> list[dict]:
     """Rows of `candidate` against `reference` for every tensor and step of the case."""
     case = data.case
+    comparison = Comparison(candidate.impl, reference.impl, policy or default_policy(candidate.impl, reference.impl))
     contract = expected_contract(case)
-    base = dict(case_id=case.id, **case.as_record(), impl=candidate.impl.name, reference=reference.impl.name,
-                device=device_type)
     gemm_problems: dict[str, list[str]] = {}
     for call in candidate.calls:
         for problem in sm90_violations(call):
             for gemm in call.gemm.split("|"):
                 gemm_problems.setdefault(gemm, []).append(f"{call.gemm} GEMM: {problem}")
-    emulated_steps = None
-    if reference.impl.name == "emulated" and not (candidate.error or reference.error):
+    emulated_steps, operand_problems = None, {}
+    recipe = reference.impl.recipe
+    if reference.impl.exact and not (candidate.error or reference.error):
         host = candidate.steps and candidate.steps[0]["output"].device.type == "cpu"
         data = data.on_host() if host else data  # the emulation is exact: it runs where the results are
-        emulated_steps = emulated_steps_of(data)
+        emulated_steps = emulated_steps_of(data, recipe)
+        if candidate.impl.recipe is recipe:
+            for finding in call_findings(candidate.calls, emulated_steps, recipe):
+                operand_problems.setdefault((finding.step, finding.gemm), []).append(str(finding))
     rows = []
     for step_index in range(case.steps):
         for tensor in case.tensors:
-            row = dict(base, tensor=tensor, step=step_index, **{m: math.nan for m in METRICS})
-            row.update(bitwise=False, error=None, reference_error=None, contract="",
+            row = dict(_row_base(case, comparison, device_type), tensor=tensor, step=step_index,
+                       **{m: math.nan for m in METRICS})
+            row.update(bitwise=False, error=None, reference_error=None, contract="", skipped=None,
                        scaled_mm="; ".join(gemm_problems.get(tensor, [])),
+                       operands="; ".join(operand_problems.get((step_index, tensor), [])),
                        bound_ratio=math.nan, n_beyond_bound=math.nan, bound_index=None)
             rows.append(row)
             if candidate.error or reference.error or step_index >= len(candidate.steps):
@@ -169,29 +220,30 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
             row["dtype"] = None if got is None else str(got.dtype).replace("torch.", "")
             if got is None or want is None or tuple(got.shape) != tuple(want.shape):
                 continue
-            row.update(compare(got, want, dtype=contract[tensor].dtype))
+            chain = oracles.rounding_chain(case, tensor, candidate.impl.recipe)
+            row.update(compare(got, want, dtype=contract[tensor].dtype,
+                               overflow_dtype=min(chain, key=lambda dtype: torch.finfo(dtype).max)))
             if emulated_steps is not None:
-                # The GEMM's accumulation: fast where the candidate's call for it asked for it (when
-                # no _scaled_mm call was recorded: torchao's flags, fast in the forward only).
-                calls = [call for call in candidate.calls if tensor in call.gemm.split("|")]
-                fast = any(call.use_fast_accum for call in calls) if calls else tensor == "output"
+                # The GEMM's accumulation as the recipe runs it: fast only where the recipe says so.
+                fast = tensor != "grad_bias" and recipe.gemm(tensor).fast_accum
                 magnitude, inner, value = oracles.magnitude_of(emulated_steps[step_index], data.steps[step_index],
                                                                tensor)
                 gamma = oracles.accumulation_gamma(inner, device_type=device_type if tensor != "grad_bias" else "cpu",
                                                    fast_accum=fast)
                 row["bound_ratio"], row["n_beyond_bound"], row["bound_index"] = oracles.accumulation_excess(
                     got, want, magnitude=magnitude, gamma=gamma, gemm_value=value,
-                    rounding_chain=oracles.rounding_chain(case, tensor),
+                    rounding_chain=oracles.rounding_chain(case, tensor, recipe),
                     bias=data.bias if tensor == "output" and case.bias else None)
     return rows
 
 
-def run_case(case: Case, impls: Sequence[Impl], references: Sequence[Impl], *, device: str | torch.device = "cpu",
+def run_case(case: Case, comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",
              record: bool = True, timings: dict[str, float] | None = None) -> list[dict]:
-    """Every implementation against every reference on one case (each executed once).
+    """The rows of every comparison on one case (each implementation executed once).
 
-    `timings`, if given, accumulates the host seconds of each phase: data, one entry per
-    implementation, and compare (metrics, bounds)."""
+    An implementation that cannot take the case (its recipe's alignment, a CUDA-only kernel)
+    gives `skipped` rows instead. `timings`, if given, accumulates the host seconds of each
+    phase: data, one entry per implementation, and compare (metrics, bounds)."""
     device = torch.device(device)
     clock = time.perf_counter()
 
@@ -202,33 +254,42 @@ def run_case(case: Case, impls: Sequence[Impl], references: Sequence[Impl], *, d
             timings[phase] = timings.get(phase, 0.0) + now - clock
             clock = now
 
+    runnable, rows = [], []
+    for comparison in comparisons:
+        reason = comparison.impl.unsupported(case, device.type) or comparison.reference.unsupported(case, device.type)
+        if reason:
+            rows += skipped_rows(case, comparison, reason, device_type=device.type)
+        else:
+            runnable.append(comparison)
+    if not runnable:
+        return rows
     data = make_data(case, device)
     small = device.type != "cpu" and max(case.M * case.K, case.N * case.K, case.M * case.N) <= HOST_METRICS_ELEMENTS
     lap("data")
+    # the calls' tensors are kept for implementations compared with their own recipe's oracle
+    diagnosed = {c.impl.name for c in runnable if c.reference.exact and c.reference.recipe is c.impl.recipe}
     executions: dict[str, Execution] = {}
-    for impl in [*impls, *references]:
+    for impl in (impl for c in runnable for impl in (c.impl, c.reference)):
         if impl.name not in executions:
             on = data.on_host() if small and impl.device_independent else data
-            executions[impl.name] = execute(impl, on, record=record and not impl.is_reference)
+            executions[impl.name] = execute(impl, on, record=record and impl.recipe.is_fp8 and not impl.exact,
+                                            keep_data=impl.name in diagnosed)
             if small:
                 _move_to_host(executions[impl.name])
             lap(impl.name)
-    rows = []
-    for impl in impls:
-        for reference in references:
-            if reference.name != impl.name:
-                rows.extend(compare_executions(data, executions[impl.name], executions[reference.name],
-                                               device_type=device.type))
+    for comparison in runnable:
+        rows.extend(compare_executions(data, executions[comparison.impl.name], executions[comparison.reference.name],
+                                       device_type=device.type, policy=comparison.policy))
     lap("compare")
     return rows
 
 
-def run_cases(cases: Iterable[Case], impls: Sequence[Impl], references: Sequence[Impl], *,
-              device: str | torch.device = "cpu", progress: Callable[[int], None] | None = None) -> pd.DataFrame:
+def run_cases(cases: Iterable[Case], comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",
+              progress: Callable[[int], None] | None = None) -> pd.DataFrame:
     """All cases -> one tidy DataFrame, with the environment in `df.attrs["env"]`."""
     records = []
     for index, case in enumerate(cases):
-        records.extend(run_case(case, impls, references, device=device))
+        records.extend(run_case(case, comparisons, device=device))
         if progress is not None:
             progress(index + 1)
     frame = pd.DataFrame.from_records(records)

@@ -23,14 +23,17 @@ from parity.cases import ALIGNMENT, INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Lay
 OUTLIER_RATIOS = (100, 10, 1000)
 
 
-def dims(*, max_dim: int = 256) -> st.SearchStrategy[int]:
-    """A GEMM dimension: a multiple of 16 from 16 to max_dim (shrinks towards 16)."""
-    return st.integers(1, max(1, max_dim // ALIGNMENT)).map(lambda n: ALIGNMENT * n)
+def dims(*, max_dim: int = 256, alignment: int = ALIGNMENT) -> st.SearchStrategy[int]:
+    """A GEMM dimension: a multiple of `alignment` (16; 128 for block scales) up to max_dim
+    (shrinks towards the smallest)."""
+    return st.integers(1, max(1, max_dim // alignment)).map(lambda n: alignment * n)
 
 
-def leads(*, max_tokens: int = 256, max_batch_dims: int = 2) -> st.SearchStrategy[tuple[int, ...]]:
-    """Leading dims of the input: (M,) or N-D (batch..., seq) with M = product a multiple of 16."""
-    flat = dims(max_dim=max_tokens).map(lambda m: (m,))
+def leads(*, max_tokens: int = 256, max_batch_dims: int = 2,
+          alignment: int = ALIGNMENT) -> st.SearchStrategy[tuple[int, ...]]:
+    """Leading dims of the input: (M,) or N-D (batch..., seq) with M = product a multiple of
+    `alignment` (the sequence dim is)."""
+    flat = dims(max_dim=max_tokens, alignment=alignment).map(lambda m: (m,))
     if max_batch_dims < 1:
         return flat
 
@@ -39,7 +42,7 @@ def leads(*, max_tokens: int = 256, max_batch_dims: int = 2) -> st.SearchStrateg
         batch = st.lists(st.integers(1, min(4, room)), min_size=1, max_size=max_batch_dims)
         return batch.filter(lambda b: _prod(b) * seq <= max_tokens).map(lambda b: (*b, seq))
 
-    nd = dims(max_dim=max(ALIGNMENT, max_tokens // 2)).flatmap(batched)
+    nd = dims(max_dim=max(alignment, max_tokens // 2), alignment=alignment).flatmap(batched)
     return st.one_of(flat, nd)
 
 
@@ -61,15 +64,17 @@ def distributions(*, allowed: Sequence[str | Dist] = tuple(Dist)) -> st.SearchSt
 def cases(*, max_dim: int = 256, max_tokens: int = 256, max_batch_dims: int = 2,
           input_dtypes: Sequence[str] = INPUT_DTYPES, weight_dtypes: Sequence[str] = WEIGHT_DTYPES,
           layouts_allowed: Sequence[str | Layout] = tuple(Layout), dists: Sequence[str | Dist] = tuple(Dist),
-          max_steps: int = 2, bias: bool | None = None, square: bool = False) -> st.SearchStrategy[Case]:
-    """Whole cases. `square=True` forces K == N (where a transposed weight has the right shape)."""
-    K, N = dims(max_dim=max_dim), dims(max_dim=max_dim)
+          max_steps: int = 2, bias: bool | None = None, square: bool = False,
+          alignment: int = ALIGNMENT) -> st.SearchStrategy[Case]:
+    """Whole cases. `square=True` forces K == N (where a transposed weight has the right shape);
+    `alignment` is the recipe's (parity.recipes.Recipe.alignment: 128 for blockwise)."""
+    K, N = dims(max_dim=max_dim, alignment=alignment), dims(max_dim=max_dim, alignment=alignment)
 
     def build(k_and_n):
         k, n = k_and_n
         return st.builds(
             Case,
-            lead=leads(max_tokens=max_tokens, max_batch_dims=max_batch_dims),
+            lead=leads(max_tokens=max_tokens, max_batch_dims=max_batch_dims, alignment=alignment),
             K=st.just(k), N=st.just(n),
             input_dtype=st.sampled_from(list(input_dtypes)),
             weight_dtype=st.sampled_from(list(weight_dtypes)),

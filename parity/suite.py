@@ -68,7 +68,7 @@ class Suite:
     def run(self, case: Case, plan: CheckPlan | None = None) -> tuple[list[dict], list[Violation]]:
         """Rows and violations of the candidate against the plan's references on `case`."""
         plan = plan or self.plan
-        rows = run_case(case, plan.impls, plan.references, device=self.device)
+        rows = run_case(case, plan.comparisons, device=self.device)
         self.rows.extend(rows)
         return rows, plan.judge(rows)
 

@@ -1,5 +1,6 @@
 """`fp8-parity sweep`: many implementations on a grid of named layer shapes plus a hypothesis
-sample of the case space, against float64 and torchao, collected into one results table.
+sample of the case space, each against float64, against the reference implementation of its
+recipe (torchao's) and against its recipe's exact emulation, collected into one results table.
 
 A preset is a description: which named shapes (nanochat and Llama 3 layers), how many tokens
 on each device (float64 references of a 32768-token layer do not fit a CPU's time), how many
@@ -19,12 +20,30 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from parity.cases import Case, Dist, Layout, edge_cases
 from parity.env import environment
-from parity.impls import Impl
-from parity.runner import run_case
+from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
+from parity.policy import Policy, default_policy
+from parity.runner import Comparison, run_case
 from parity.strategies import cases as case_strategy
 
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16")
-DEFAULT_REFERENCES = ("fp64", "torchao:tensorwise")
+
+
+def sweep_comparisons(impls: Sequence[Impl], device_type: str) -> list[Comparison]:
+    """Each implementation against fp64 (accuracy), the reference implementation of its recipe on
+    this device (parity) and its recipe's exact emulation (the accumulation bound and the
+    operands of its GEMM calls), each judged by its default policy."""
+    fp64 = load_impl("fp64")
+    comparisons = []
+    for impl in impls:
+        references = [fp64]
+        if impl.recipe.is_fp8:
+            references.append(default_reference(impl, device_type))
+            if not impl.exact:
+                references.append(load_impl(builtin_for_recipe("emulated", impl.recipe)))
+        for reference in dict.fromkeys(r.name for r in references if r.name != impl.name):
+            ref = next(r for r in references if r.name == reference)
+            comparisons.append(Comparison(impl, ref, default_policy(impl, ref)))
+    return comparisons
 
 
 def nanochat_shapes(depth: int) -> list[tuple[str, int, int]]:
@@ -51,14 +70,22 @@ class Preset:
     max_dim: int  # largest K, N, M of the sample
     variants: tuple[dict, ...] = ({},)  # Case fields each named shape is also run with
 
-    def cases(self, device_type: str, *, seed: int = 0) -> list[tuple[str, Case]]:
-        """(label, case) for every named shape x variant, then the hypothesis sample."""
-        M = self.tokens.get(device_type, self.tokens["cpu"])
+    def cases(self, device_type: str, *, seed: int = 0, alignment: int = 16) -> list[tuple[str, Case]]:
+        """(label, case) for every named shape x variant, then the edge cases and the hypothesis
+        sample. With `alignment` > 16 (a block-scaled recipe among the implementations) the named
+        shapes' tokens round up to it, and the edge cases and a sixth of the sample come twice:
+        at 16 and at that alignment, so every recipe has cases it can take."""
+        M = -(-self.tokens.get(device_type, self.tokens["cpu"]) // alignment) * alignment
         named = [(label, Case(lead=(M,), K=K, N=N, seed=seed).replace(**variant))
                  for label, K, N in self.named_shapes for variant in self.variants]
         sampled = [("edge case", case) for case in edge_cases(seed=seed)]
         sampled += [("sampled", case) for case in sample_cases(self.samples, max_dim=self.max_dim, seed=seed)]
-        return named + sampled
+        if alignment > 16:
+            sampled += [("edge case", case) for case in edge_cases(seed=seed, alignment=alignment)]
+            sampled += [("sampled", case) for case in sample_cases(max(1, self.samples // 6), seed=seed,
+                                                                   max_dim=max(self.max_dim, 2 * alignment),
+                                                                   alignment=alignment)]
+        return named + list(dict.fromkeys(sampled))
 
 
 _VARIANTS = ({}, {"input_layout": Layout.TRANSPOSED}, {"input_dtype": "fp32", "weight_dtype": "fp32", "bias": True},
@@ -77,7 +104,7 @@ PRESETS = {
 }
 
 
-def sample_cases(count: int, *, max_dim: int = 256, seed: int = 0) -> list[Case]:
+def sample_cases(count: int, *, max_dim: int = 256, seed: int = 0, alignment: int = 16) -> list[Case]:
     """`count` distinct cases drawn by hypothesis (derandomized: the same list every time)."""
     drawn: list[Case] = []
     if count <= 0:
@@ -85,7 +112,7 @@ def sample_cases(count: int, *, max_dim: int = 256, seed: int = 0) -> list[Case]
 
     @settings(max_examples=count, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(case=case_strategy(max_dim=max_dim, max_tokens=max_dim))
+    @given(case=case_strategy(max_dim=max_dim, max_tokens=max_dim, alignment=alignment))
     def collect(case):
         drawn.append(case.replace(seed=case.seed + seed))
 
@@ -94,12 +121,12 @@ def sample_cases(count: int, *, max_dim: int = 256, seed: int = 0) -> list[Case]
     return unique[:count]
 
 
-def run_sweep(labelled_cases: Sequence[tuple[str, Case]], impls: Sequence[Impl], references: Sequence[Impl], *,
+def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[Comparison], *,
               device: str, progress: Callable[[int, int, float], None] | None = None) -> pd.DataFrame:
     """All cases -> one tidy DataFrame (column `shape` holds the named shape or 'sampled')."""
     records, start = [], time.perf_counter()
     for index, (label, case) in enumerate(labelled_cases):
-        for row in run_case(case, impls, references, device=device):
+        for row in run_case(case, comparisons, device=device):
             row["shape"] = label
             records.append(row)
         if device == "cuda":
@@ -113,31 +140,33 @@ def run_sweep(labelled_cases: Sequence[tuple[str, Case]], impls: Sequence[Impl],
 
 
 def named_shape_table(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> pd.DataFrame:
-    """Per named shape and tensor: the candidate's SQNR vs fp64 and parity with torchao tensorwise."""
+    """Per named shape and tensor: the candidate's SQNR vs fp64 and its bitwise parity with the
+    implementation of its recipe it was compared with."""
     named = frame[(frame["shape"] != "sampled") & (frame["shape"] != "edge case") & (frame["impl"] == candidate)]
+    named = named[named["skipped"].fillna("") == ""]
     if named.empty:
         return pd.DataFrame()
     sqnr = named[named["reference"] == "fp64"].groupby(["shape", "tensor"], sort=False)["sqnr_db"].median()
-    parity = named[named["reference"] == "torchao:tensorwise"].groupby(["shape", "tensor"], sort=False)["bitwise"]
+    parity = named[named["policy"] == Policy.BITWISE.value].groupby(["shape", "tensor"], sort=False)["bitwise"]
     return pd.DataFrame({"median SQNR vs fp64 (dB)": sqnr.round(2),
-                         "bitwise parity with torchao (%)": parity.mean().mul(100).round(1)}).reset_index()
+                         "bitwise parity with its recipe's reference (%)": parity.mean().mul(100).round(1)}
+                        ).reset_index()
 
 
-def _sweep_worker(index: int, devices: list[str], labelled_cases, impl_names, reference_names, out_dir: str) -> None:
+def _sweep_worker(index: int, devices: list[str], labelled_cases, impl_names, out_dir: str) -> None:
     """One process of a sharded sweep: its share of the cases on its device, to a pickle."""
-    from parity.impls import load_impl
     from parity.sharding import shard
     device = devices[index]
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, torch.get_num_threads() // len(devices)))
-    frame = run_sweep(shard(labelled_cases, index, len(devices)), [load_impl(n) for n in impl_names],
-                      [load_impl(n) for n in reference_names], device=device)
+    comparisons = sweep_comparisons([load_impl(n) for n in impl_names], torch.device(device).type)
+    frame = run_sweep(shard(labelled_cases, index, len(devices)), comparisons, device=device)
     frame.to_pickle(f"{out_dir}/shard{index}.pkl")
 
 
-def run_sweep_sharded(labelled_cases: Sequence[tuple[str, Case]], impl_names: Sequence[str],
-                      reference_names: Sequence[str], *, devices: Sequence[str]) -> pd.DataFrame:
+def run_sweep_sharded(labelled_cases: Sequence[tuple[str, Case]], impl_names: Sequence[str], *,
+                      devices: Sequence[str]) -> pd.DataFrame:
     """The sweep split round-robin over `devices` (one process each), merged into one table.
 
     Implementations travel by name (a function loaded from a file does not pickle), and each
@@ -149,8 +178,7 @@ def run_sweep_sharded(labelled_cases: Sequence[tuple[str, Case]], impl_names: Se
 
     from parity.sharding import merge_frames
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_sweep_worker, args=(list(devices), list(labelled_cases), list(impl_names),
-                                                list(reference_names), out_dir),
+        mp.start_processes(_sweep_worker, args=(list(devices), list(labelled_cases), list(impl_names), out_dir),
                            nprocs=len(devices), join=True, start_method="spawn")
         frames = {f"{device}#{i}": pd.read_pickle(f"{out_dir}/shard{i}.pkl") for i, device in enumerate(devices)}
     return merge_frames(frames)

@@ -36,12 +36,12 @@ def _run_share(cases, impl: str, against: str, device: str, timings: dict | None
     from parity.runner import run_case
     plan = CheckPlan.make(load_impl(impl), load_impl(against))
     for case in cases[:3]:  # warm-up: first calls pay for lazy initialization
-        plan.judge(run_case(case, plan.impls, plan.references, device=device))
+        plan.judge(run_case(case, plan.comparisons, device=device))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
     for case in cases:
-        plan.judge(run_case(case, plan.impls, plan.references, device=device, timings=timings))
+        plan.judge(run_case(case, plan.comparisons, device=device, timings=timings))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - start

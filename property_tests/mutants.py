@@ -1,13 +1,15 @@
-"""The mutant zoo: buggy variants of a tensorwise FP8 linear layer, each a few lines from correct.
+"""The mutant zoo: buggy variants of FP8 linear layers, each a few lines from correct.
 
 `_Tensorwise` below is a correct tensorwise implementation (bitwise equal to torchao); each
 mutant switches one `if bug == ...` branch, so the diff between a mutant and correct code
-is the lines under its name. MUTANTS records, for every mutant, what a localizer should
-say about it: the GEMMs it breaks, the operand to blame, its bug class (DESIGN.md's
-vocabulary) and the condition it needs to show. The harness's own tests use the zoo to
-prove that `check` kills every mutant and `bisect` localizes each.
+is the lines under its name. `_Recipes` does the same for the rowwise and blockwise recipes,
+on fp8_impl's own building blocks. MUTANTS records, for every mutant, what a localizer should
+say about it: its recipe, the GEMMs it breaks, the operand to blame, its bug class (the
+README's vocabulary) and the condition it needs to show. The harness's own tests use the zoo
+to prove that `check` kills every mutant and `bisect` localizes each.
 
-Load one as an implementation: `property_tests/mutants.py:<name>`.
+Load one as an implementation: `property_tests/mutants.py:<name>` (with `--recipe RECIPE` for
+the recipe mutants).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class Mutant:
     operand: str  # input | weight | grad_output | result
     trigger: str | None  # the one condition it needs, or None when it always shows
     description: str
-    gpu_only: bool = False  # shows only where _scaled_mm honours use_fast_accum / rejects layouts
+    gpu_only: bool = False  # shows only where _scaled_mm rejects layouts (a CPU runs them)
+    recipe: str = "tensorwise"
 
     @property
     def spec(self) -> str:
@@ -66,8 +69,8 @@ MUTANTS = [
     Mutant("input_scaled_to_e5m2_max", "saturation", ("output", "grad_weight"), "input", None,
            "scales the input to e5m2's max (57344) but casts to e4m3 without a clamp: everything saturates "
            "(or is NaN where casts do not saturate)"),
-    Mutant("grad_input_fast_accum", "accumulation", ("grad_input",), "result", "on the GPU",
-           "uses fast accumulation in the grad_input GEMM (CPUs ignore the flag)", gpu_only=True),
+    Mutant("grad_input_fast_accum", "accumulation", ("grad_input",), "result", None,
+           "uses fast accumulation in the grad_input GEMM (CPUs ignore the flag; the recorded call shows it)"),
     Mutant("grad_weight_fp32_out", "accumulation", ("grad_weight",), "result", "fp32 weight",
            "writes grad_weight in float32 directly instead of grad_output's dtype: differs only by rounding"),
     Mutant("output_float32", "contract", ("output",), "result", None,
@@ -78,6 +81,24 @@ MUTANTS = [
            "caches the quantized weight by parameter identity: an in-place update is missed"),
     Mutant("crash_on_fp32_input", "crash", ("output",), "input", "fp32 input",
            "raises for float32 input (a dtype the recipe takes)"),
+    # ---- recipe mutants (rowwise, blockwise) ----
+    Mutant("rowwise_amax_whole_tensor", "scale", ("output",), "input", None,
+           "rowwise: the input's row scales all come from the whole tensor's amax (the wrong region)",
+           recipe="rowwise"),
+    Mutant("rowwise_stale_axis_after_transpose", "scale", ("grad_input",), "weight", "K == N",
+           "rowwise: grad_input reuses the forward's fp8 weight, whose scales run along K, when its transposed "
+           "shape fits (K == N): the axis metadata is stale after .t() (pytorch/ao #4444)", recipe="rowwise"),
+    Mutant("rowwise_zero_rows_nan", "scale", ("output", "grad_weight"), "input", "zero_rows data",
+           "rowwise: no EPS floor under the input's amax: an all-zero row gets an infinite scale and NaN "
+           "(pytorch/ao #3356)", recipe="rowwise"),
+    Mutant("rowwise_pow2_missing", "scale", ("output", "grad_weight"), "input", None,
+           "rowwise: the input's scales are not rounded down to a power of two", recipe="rowwise"),
+    Mutant("blockwise_padding_consumed", "scale", ("output", "grad_input"), "weight", None,
+           "blockwise: the 128x128 weight scales are padded to 4 K-blocks with the padding first, so the GEMM "
+           "consumes padding bytes as scales (TransformerEngine #3070)", recipe="blockwise"),
+    Mutant("blockwise_scales_reshaped", "scale", ("output", "grad_input"), "weight", None,
+           "blockwise: the [N/128, K/128] grid of weight scales is reshaped, not transposed, to [K/128, N/128] "
+           "(pytorch/ao #4229's orientation): wrong once both dims span two blocks", recipe="blockwise"),
 ]
 BY_NAME = {m.name: m for m in MUTANTS}
 
@@ -163,13 +184,76 @@ class _Tensorwise(torch.autograd.Function):
         return grad_input, grad_weight.to(ctx.weight_dtype), None
 
 
+class _Recipes(torch.autograd.Function):
+    """fp8_impl's rowwise and blockwise GEMMs (correct: bitwise equal to fp8_impl), except where `bug` says."""
+
+    @staticmethod
+    def forward(ctx, input, weight, recipe, bug):
+        from fp8_impl import Float8LinearConfig
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        ctx.save_for_backward(input, weight)
+        ctx.config, ctx.bug, ctx.weight_dtype = config, bug, weight.dtype
+        ctx.weight_cast = _recipe_cast(weight, config.output.b, config, bug, "weight")  # kept for the stale bug
+        return _recipe_gemm(input, weight, config.output, config, input.dtype, bug, ("input", "weight"))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        config, bug = ctx.config, ctx.bug
+        stale = ctx.weight_cast if bug == "rowwise_stale_axis_after_transpose" and weight.shape[0] == \
+            weight.shape[1] else None  # "the transposed fp8 weight has the right shape: reuse it"
+        grad_input = _recipe_gemm(grad_output, weight.t(), config.grad_input, config, grad_output.dtype, bug,
+                                  ("grad_output", "weight"), cached_b=stale and (stale[0].t(), stale[1]))
+        grad_weight = _recipe_gemm(grad_output.t(), input.t(), config.grad_weight, config, grad_output.dtype, bug,
+                                   ("grad_output", "input"))
+        return grad_input, grad_weight.to(ctx.weight_dtype), None, None
+
+
+def _recipe_cast(x, cast, config, bug, operand):
+    from fp8_impl.config import Scaling
+    from fp8_impl.matmul import quantize
+    pow2 = config.round_scales_to_power_of_2 and not (bug == "rowwise_pow2_missing" and operand == "input")
+    if operand == "input" and bug == "rowwise_amax_whole_tensor" and cast.scaling is Scaling.AXISWISE:
+        scale = (FP8_MAX[E4M3] / torch.clamp(x.abs().max().double(), min=1e-12)).float()
+        scale = torch.exp2(torch.floor(torch.log2(scale))).expand(x.shape[0], 1)
+        return (x.float() * scale).clamp(-448, 448).to(E4M3), scale.reciprocal()
+    if operand == "input" and bug == "rowwise_zero_rows_nan" and cast.scaling is Scaling.AXISWISE:
+        scale = torch.exp2(torch.floor(torch.log2((448.0 / x.abs().amax(1, keepdim=True).double()).float())))
+        return (x.float() * scale).clamp(-448, 448).to(E4M3), scale.reciprocal()
+    x_fp8, inverse = quantize(x, cast, pow2=pow2)
+    if cast.scaling is Scaling.BLOCK_1X128:
+        inverse = inverse.t().contiguous().t()
+    return x_fp8, inverse
+
+
+def _recipe_gemm(a_hp, b_hp_t, gemm, config, out_dtype, bug, operands, cached_b=None):
+    from fp8_impl.config import Scaling
+    from fp8_impl.matmul import _gemm
+    if gemm.a.scaling is Scaling.DISABLED:
+        return a_hp @ b_hp_t.t()
+    a, scale_a = _recipe_cast(a_hp, gemm.a, config, bug, operands[0])
+    bt, scale_bt = cached_b or _recipe_cast(b_hp_t, gemm.b, config, bug, operands[1])
+    scale_b = scale_bt if gemm.b.scaling is Scaling.BLOCK_1X128 else scale_bt.t()
+    if gemm.b.scaling is Scaling.BLOCK_128X128 and bug == "blockwise_scales_reshaped":
+        scale_b = scale_bt.reshape(scale_b.shape)
+    if gemm.b.scaling is Scaling.BLOCK_128X128 and bug == "blockwise_padding_consumed":
+        blocks = scale_b.shape[0]
+        padded = torch.cat([scale_b.new_ones(-blocks % 4, scale_b.shape[1]), scale_b])  # padding first
+        scale_b = padded[:blocks] if a.device.type != "cuda" else padded.t().contiguous().t()
+    return _gemm(_row_major(a), scale_a, _col_major(bt.t()), scale_b, gemm, out_dtype)
+
+
 def correct(input_2d, weight):
     """The zoo's control: no bug. Bitwise equal to torchao tensorwise."""
     return _Tensorwise.apply(input_2d, weight, None)
 
 
 def _make(name: str):
+    recipe = BY_NAME[name].recipe
+
     def mutant(input_2d, weight):
+        if recipe != "tensorwise":
+            return _Recipes.apply(input_2d, weight, recipe, name)
         return _Tensorwise.apply(input_2d, weight, name)
     mutant.__name__ = name
     mutant.__doc__ = BY_NAME[name].description
@@ -178,6 +262,16 @@ def _make(name: str):
 
 for _m in MUTANTS:
     globals()[_m.name] = _make(_m.name)
+
+
+def correct_rowwise(input_2d, weight):
+    """The recipe mutants' control for rowwise (run with --recipe rowwise): no bug."""
+    return _Recipes.apply(input_2d, weight, "rowwise", None)
+
+
+def correct_blockwise(input_2d, weight):
+    """The recipe mutants' control for blockwise (run with --recipe blockwise): no bug."""
+    return _Recipes.apply(input_2d, weight, "blockwise", None)
 
 
 class CachedWeightLinear(nn.Linear):

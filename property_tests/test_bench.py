@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from parity.bench import (COLUMNS, PRESETS, Ceilings, NoGPUError, add_ratios, bench_verdict, glue_bytes, limit_ms,
                           pool_size, require_gpu, run_bench, write_bench_report)
 from parity.impls import load_impl
+from parity.recipes import RECIPES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CEILINGS = Ceilings(fp8_tflops=1000.0, bf16_tflops=500.0, bandwidth_gbs=4000.0)
@@ -42,9 +43,25 @@ def test_glue_bytes_and_limit_by_hand():
     assert glue_bytes(M, K, N) == per_operand * (MK + NK + MN) == 108_527_616
     assert glue_bytes(M, K, N, hp_bytes=4) == 10 * (MK + NK + MN)  # fp32 high precision
     flops = 6 * M * K * N  # 57_982_058_496
-    assert limit_ms(M, K, N, CEILINGS, fp8=True) == pytest.approx(flops / 1e15 * 1e3 + 108_527_616 / 4e12 * 1e3)
-    assert limit_ms(M, K, N, CEILINGS, fp8=True) == pytest.approx(0.0579821 + 0.0271319, rel=1e-6)
-    assert limit_ms(M, K, N, CEILINGS, fp8=False) == pytest.approx(0.1159641, rel=1e-6)
+    assert limit_ms(M, K, N, CEILINGS) == pytest.approx(flops / 1e15 * 1e3 + 108_527_616 / 4e12 * 1e3)
+    assert limit_ms(M, K, N, CEILINGS) == pytest.approx(0.0579821 + 0.0271319, rel=1e-6)
+    assert limit_ms(M, K, N, CEILINGS, recipe=RECIPES["bf16"]) == pytest.approx(0.1159641, rel=1e-6)
+
+
+def test_glue_and_flops_of_every_recipe_by_hand():
+    """rowwise and blockwise cast each operand along two axes, but from one read: the same bytes as
+    tensorwise. rowwise_with_gw_hp keeps input and grad_output in bf16 for grad_weight (one fp8 copy
+    each) and runs that GEMM at the bf16 rate."""
+    M, K, N = 4096, 768, 3072
+    MK, NK, MN = M * K, N * K, M * N
+    for name in ("rowwise", "blockwise"):
+        assert glue_bytes(M, K, N, recipe=RECIPES[name]) == 6 * (MK + NK + MN)
+        assert RECIPES[name].flops(M, K, N) == (6 * M * K * N, 0)
+    gw_hp = RECIPES["rowwise_with_gw_hp"]
+    assert glue_bytes(M, K, N, recipe=gw_hp) == 5 * MK + 6 * NK + 5 * MN
+    assert gw_hp.flops(M, K, N) == (4 * M * K * N, 2 * M * K * N)
+    assert limit_ms(M, K, N, CEILINGS, recipe=gw_hp) == pytest.approx(
+        4 * M * K * N / 1e15 * 1e3 + 2 * M * K * N / 5e14 * 1e3 + (5 * MK + 6 * NK + 5 * MN) / 4e12 * 1e3)
 
 
 def test_pool_rotation_exceeds_l2():
@@ -59,6 +76,8 @@ def bench_frame(times: dict, shapes=("a", "b"), *, gpu_share: float = 0.5) -> pd
     """A hand-made bench table: times[(impl, compiled)] is the median ms on every shape (None: raised);
     the GPU time is gpu_share of it and the host time 0.6 ms (host-bound when above the GPU time)."""
     rows = [dict(preset="small", shape=shape, M=4096, K=768, N=3072, impl=impl, compiled=compiled, median_ms=ms,
+                 recipe="bf16" if impl == "bf16" else impl.split(":")[-1] if impl.startswith("torchao:")
+                 else "tensorwise",
                  p20_ms=ms and 0.9 * ms, p80_ms=ms and 1.1 * ms, gpu_ms=ms and gpu_share * ms, host_ms=ms and 0.6,
                  bound=ms and ("host" if 0.6 > gpu_share * ms else "gpu"), tflops=ms and 58 / ms,
                  peak_mem_gb=ms and 0.1, compile_s=1.0 if compiled else math.nan, limit_ms=0.09,
@@ -90,6 +109,15 @@ def test_ratios_are_time_quotients(times):
     assert x.loc["x", "gpu_vs_torchao"] == pytest.approx(times[1] / times[0])  # GPU times share the 0.5 factor
 
 
+def test_ratios_compare_each_recipe_with_torchaos_implementation_of_it():
+    frame = bench_frame({("fp8_impl", True): 1.0, ("torchao:tensorwise", True): 1.5, ("fp8_impl:rowwise", True): 2.0,
+                         ("torchao:rowwise", True): 2.5, ("bf16", True): 3.0}, shapes=("a",))
+    frame.loc[frame["impl"] == "fp8_impl:rowwise", "recipe"] = "rowwise"
+    by = add_ratios(frame).set_index("impl")
+    assert by.loc["fp8_impl", "vs_torchao"] == 1.5 and by.loc["fp8_impl:rowwise", "vs_torchao"] == 1.25
+    assert by.loc["fp8_impl:rowwise", "vs_bf16"] == 1.5 and math.isnan(by.loc["bf16", "vs_torchao"])
+
+
 def test_gpu_ratios_come_from_the_gpu_times():
     frame = bench_frame({("fp8_impl", True): 1.0, ("torchao:tensorwise", True): 1.0, ("bf16", True): 1.0})
     frame.loc[frame["impl"] == "torchao:tensorwise", "gpu_ms"] = 0.8  # same wall time, more GPU work
@@ -114,7 +142,8 @@ def test_bench_report_writes_its_files(tmp_path):
     assert "compiled: wall 1.25x (min 1.25x) vs torchao:tensorwise, n/a vs bf16" in summary
     assert "2/2 host-bound" in summary  # compiled fp8_impl: 0.5 ms GPU < 0.6 ms host
     assert "2 configurations failed" in summary and "a bf16 compiled: compile: boom" in summary
-    for heading in ("Speedup vs torchao:tensorwise (wall)", "Speedup vs torchao:tensorwise (GPU)",
+    for heading in ("Speedup vs torchao's implementation of the same recipe (wall)",
+                    "Speedup vs torchao's implementation of the same recipe (GPU)",
                     "Forward + backward, ms of GPU work", "Host ms to launch one step", "Fraction of the limit",
                     "Ceilings measured in this run"):
         assert f"## {heading}" in summary

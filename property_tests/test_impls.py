@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from parity.cases import Case
 from parity.impls import BUILTINS, Form, ImplError, detect_form, load_impl
+from parity.recipes import RecipeError
 
 MUTANTS = "property_tests/mutants.py"
 
@@ -33,10 +35,26 @@ def test_forms_are_detected_and_built(spec, form):
 @pytest.mark.parametrize("name", list(BUILTINS))
 def test_builtins_load(name):
     impl = load_impl(name)
-    assert impl.name == name
-    linear = nn.Linear(32, 16)
+    assert impl.name == name or (name == "emulated" and impl.name == "emulated:tensorwise")
+    size = max(16, impl.recipe.alignment)
+    reason = impl.unsupported(Case(lead=(size,), K=2 * size, N=size), "cpu")
+    if reason is not None:  # torchao's blockwise training runs Triton kernels: CUDA only
+        assert "CUDA GPU only" in reason
+        return
+    linear = nn.Linear(2 * size, size)
     module, _, _ = impl.build(linear)
     assert isinstance(module, nn.Module)
+
+
+def test_recipes_pick_the_builtin_and_contradictions_are_errors():
+    assert load_impl("fp8_impl", recipe="blockwise").name == "fp8_impl:blockwise"
+    assert load_impl("emulated", recipe="rowwise").name == "emulated:rowwise"
+    assert load_impl("fp8_impl:rowwise").recipe.name == "rowwise"
+    with pytest.raises(ImplError, match="torchao:rowwise implements the rowwise recipe, not tensorwise"):
+        load_impl("torchao:rowwise", recipe="tensorwise")
+    with pytest.raises(RecipeError, match="unknown recipe 'tensorwsie'; did you mean 'tensorwise'"):
+        load_impl(f"{MUTANTS}:correct", recipe="tensorwsie")
+    assert load_impl(f"{MUTANTS}:correct", recipe="rowwise").recipe.name == "rowwise"
 
 
 def test_form_override():
@@ -45,8 +63,9 @@ def test_form_override():
 
 
 @pytest.mark.parametrize(("spec", "match"), [
-    ("nope", r"unknown implementation 'nope': name a built-in \(fp8_impl, torchao:tensorwise"),
-    ("torchao:colwise", r"cannot import 'torchao'|has no attribute 'colwise'"),
+    ("nope", r"unknown implementation 'nope': name a built-in \(fp8_impl, fp8_impl:rowwise"),
+    ("torchao:colwise", r"unknown implementation 'torchao:colwise': did you mean 'torchao:rowwise'\?"),
+    ("torchao:tensorwize", r"did you mean 'torchao:tensorwise'\? \(it is no built-in"),
     ("fp8_impl:float8_matmull", r"has no attribute 'float8_matmull'; did you mean \['float8_matmul'"),
     ("no_such_package.mod:f", r"cannot import 'no_such_package.mod': ModuleNotFoundError"),
     ("missing/file.py:f", r"implementation file 'missing/file.py' does not exist"),

@@ -40,8 +40,8 @@ def test_emulated_quantization_equals_fp8_impl(x):
     tensor = torch.tensor(x, dtype=torch.float32)
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         data, inv_scale = fp8_impl.to_float8(tensor, fp8)
-        q = oracles.quantize(tensor, fp8)
-        assert torch.equal(q.values, data.to(torch.float64))
+        q = oracles.quantize(tensor, fp8)  # a 1-D tensor is one row
+        assert torch.equal(q.values, data.to(torch.float64).reshape(1, -1))
         assert q.inv_scale.item() == inv_scale.item()
 
 
@@ -53,6 +53,7 @@ def test_emulated_gemm_is_exact():
     b = oracles.quantize(torch.randn(32, 64, generator=g), torch.float8_e5m2)
     exact_int = (a.values * 2**9).long() @ (b.values * 2**16).long().t()  # all fp8 values are multiples of these
     assert torch.equal((a.values @ b.values.t()), exact_int.to(torch.float64) / 2**25)
+    assert torch.equal(oracles.gemm(a, b), (exact_int.to(torch.float64) / 2**25) * (a.inv_scale * b.inv_scale))
 
 
 def test_compare_counts_and_locates():
@@ -99,13 +100,29 @@ def test_the_exact_emulation_runs_once_per_case_for_any_number_of_impls(monkeypa
     """Sweeps compare many impls against `emulated`: its bound's emulation is computed once per step."""
     from parity.cases import Case
     from parity.impls import load_impl
-    from parity.runner import run_case
+    from parity.runner import all_pairs, run_case
     calls = []
     real = oracles.emulate_linear
     monkeypatch.setattr(oracles, "emulate_linear", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
     case = Case(lead=(16,), K=32, N=16, steps=2)
-    rows = run_case(case, [load_impl("fp8_impl"), load_impl("torchao:tensorwise"), load_impl("bf16")],
-                    [load_impl("emulated")])
+    rows = run_case(case, all_pairs([load_impl("fp8_impl"), load_impl("torchao:tensorwise"), load_impl("bf16")],
+                                    [load_impl("emulated")]))
     assert len(calls) == case.steps
     bounded = [row for row in rows if row["impl"] != "bf16" and row["tensor"] != "grad_bias"]
     assert bounded and all(row["bound_ratio"] <= 1 for row in bounded)  # the shared emulation still bounds them
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "blockwise"])
+def test_emulated_quantization_equals_fp8_impl_for_every_granularity(recipe, generator):
+    """The oracle's axis and tile quantization reproduces fp8_impl's fp8 values and inverse scales
+    bit for bit (fp8_impl is bitwise equal to torchao for the rowwise recipes)."""
+    from fp8_impl import Float8LinearConfig
+    from parity.recipes import RECIPES
+    config, spec = Float8LinearConfig.from_recipe_name(recipe), RECIPES[recipe]
+    x = torch.randn(256, 384, generator=generator).to(torch.bfloat16)
+    x[7] = 0  # an all-zero row: the EPS floor, not a NaN
+    for ours, theirs in ((config.output.a, spec.gemm("output").a), (config.output.b, spec.gemm("output").b)):
+        data, inverse = fp8_impl.quantize(x, ours, pow2=config.round_scales_to_power_of_2)
+        q = oracles.quantize(x, theirs, pow2=spec.pow2_scales)
+        assert torch.equal(q.values, data.to(torch.float64))
+        assert torch.equal(q.inv_scale, inverse.to(torch.float64))

@@ -15,7 +15,7 @@ from matplotlib.image import imread
 from parity.cases import Case
 from parity.impls import load_impl
 from parity.report import KEY, diff_results, read_results, render_diff, summary_tables, verdict, write_report
-from parity.runner import run_cases
+from parity.runner import all_pairs, run_cases
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PARITY = "torchao:tensorwise"
@@ -27,7 +27,8 @@ def results() -> pd.DataFrame:
     them all zeros (SQNR = inf against fp64) with a bias and a transposed input."""
     cases = [Case(lead=(16,), K=16, N=16),
              Case(lead=(2, 8), K=32, N=16, bias=True, input_layout="T", dist="zeros")]
-    return run_cases(cases, [load_impl("fp8_impl"), load_impl("bf16")], [load_impl("fp64"), load_impl(PARITY)])
+    return run_cases(cases, all_pairs([load_impl("fp8_impl"), load_impl("bf16")],
+                                      [load_impl("fp64"), load_impl(PARITY)]))
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +107,20 @@ def test_extra_tables_and_plots_go_through_the_same_writer(results, tmp_path):
 
 def test_verdict_passes_when_every_comparison_is_bitwise_equal(results):
     judged = verdict(results)
-    assert judged.ok and judged.headline.startswith(f"PASS: fp8_impl is bitwise equal to {PARITY} in 7/7")
-    assert "output SQNR vs fp64 median" in judged.headline
+    assert judged.ok and judged.headline.startswith("PASS: fp8_impl (tensorwise) is ")
+    assert f"bitwise equal to {PARITY} in 7/7 comparisons (2 cases)" in judged.headline
+    assert "above the SQNR floor against fp64 in 7/7" in judged.headline
+    assert judged.details[0].startswith("SQNR vs fp64, median (p05): output")
 
 
 @pytest.mark.parametrize(("column", "value", "phrase"), [
-    ("bitwise", False, f"differs from {PARITY} in 1 comparison"),
+    ("bitwise", False, "differs from an implementation of its recipe in 1 comparison"),
     ("error", "step 0: forward: RuntimeError: boom", "crashed in 1 case"),
     ("contract", "output dtype is float32, nn.Linear gives bfloat16", "breaks nn.Linear's contract in 1 comparison"),
-    ("scaled_mm", "would fail on H100: output GEMM: mat2 is not column-major", "would fail on an H100 in 1"),
+    ("scaled_mm", "would fail on H100: output GEMM: mat2 is not column-major",
+     "makes _scaled_mm calls that would fail on an H100 in 1"),
+    ("operands", "output GEMM (step 0): B (weight) fp8 values differ",
+     "other fp8 operands or scales than its recipe's"),
     ("reference_error", "step 0: forward: RuntimeError: boom", "could not be compared"),
 ])
 def test_verdict_fails_on_one_bad_row(results, column, value, phrase):
@@ -123,7 +129,7 @@ def test_verdict_fails_on_one_bad_row(results, column, value, phrase):
     frame[column] = frame[column].astype(object)
     frame.loc[bad, column] = value
     judged = verdict(frame)
-    assert not judged.ok and judged.headline.startswith("FAIL: fp8_impl ")
+    assert not judged.ok and judged.headline.startswith("FAIL: fp8_impl (tensorwise) ")
     assert phrase in judged.headline and frame.loc[bad, "case_id"] in judged.headline
     assert any(frame.loc[bad, "case_id"] in line for line in judged.details)
 

@@ -28,13 +28,18 @@ def test_sweep_writes_a_report_and_reports_round_trip(tmp_path, capsys):
     code = main(["sweep", "--preset", "quick", "--samples", "2", "--device", "cpu", "--quiet", "--out", str(out),
                  "--impl", "fp8_impl", "--impl", "torchao:rowwise"])
     text = capsys.readouterr().out
-    assert code == 0 and text.startswith("PASS: fp8_impl is bitwise equal to torchao:tensorwise")
+    assert code == 0 and text.startswith("PASS: fp8_impl (tensorwise) is ")
+    assert "bitwise equal to torchao:tensorwise in" in text.splitlines()[0]
     summary = (out / "summary.md").read_text()
     assert "PASS: fp8_impl" in summary.splitlines()[2] and "by named shape" in summary
     with gzip.open(out / "results.csv.gz", "rt") as f:
         table = pd.read_csv(f)
     assert set(table["impl"]) == {"fp8_impl", "torchao:rowwise"}
-    assert set(table["reference"]) == {"fp64", "torchao:tensorwise"}
+    # each against fp64, its recipe's reference implementation and its recipe's exact emulation
+    assert set(zip(table["impl"], table["reference"])) == {
+        ("fp8_impl", "fp64"), ("fp8_impl", "torchao:tensorwise"), ("fp8_impl", "emulated:tensorwise"),
+        ("torchao:rowwise", "fp64"), ("torchao:rowwise", "emulated:rowwise")}
+    assert set(table["recipe"]) == {"tensorwise", "rowwise"}
     assert {"nanochat-d20 mlp.fc", "sampled", "edge case"} <= set(table["shape"])
 
     assert main(["report", str(out), "--out", str(tmp_path / "again")]) == 0
@@ -53,11 +58,11 @@ def test_sharded_sweep_equals_one_worker():
     """`--gpus N` splits cases round-robin over N processes: same rows as one process (here 2 CPU workers)."""
     from parity.cases import Case
     from parity.impls import load_impl
-    from parity.sweep import run_sweep, run_sweep_sharded
+    from parity.sweep import run_sweep, run_sweep_sharded, sweep_comparisons
     labelled = [("sampled", Case(lead=(16,), K=16 * k, N=32, seed=k)) for k in range(1, 4)]
-    one = run_sweep(labelled, [load_impl("fp8_impl")], [load_impl("fp64")], device="cpu")
-    two = run_sweep_sharded(labelled, ["fp8_impl"], ["fp64"], devices=["cpu", "cpu"])
-    key = ["case_id", "tensor", "step"]
+    one = run_sweep(labelled, sweep_comparisons([load_impl("fp8_impl")], "cpu"), device="cpu")
+    two = run_sweep_sharded(labelled, ["fp8_impl"], devices=["cpu", "cpu"])
+    key = ["case_id", "reference", "tensor", "step"]
     one, two = one.sort_values(key).reset_index(drop=True), two.sort_values(key).reset_index(drop=True)
     assert two["gpu"].nunique() == 2 and len(one) == len(two)
     pd.testing.assert_series_equal(one["sqnr_db"], two["sqnr_db"])
