@@ -95,8 +95,8 @@ from parity.sweep import llama3_shapes, nanochat_shapes
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "bf16")
 TIME_COLUMNS = {"median_ms": "", "gpu_ms": "gpu_"}  # time column -> prefix of its ratio columns
 COLUMNS = ["preset", "shape", "M", "K", "N", "impl", "recipe", "compiled", "median_ms", "p20_ms", "p80_ms", "gpu_ms",
-           "host_ms", "bound", "tflops", "peak_mem_gb", "compile_s", "vs_torchao", "vs_bf16", "gpu_vs_torchao", "gpu_vs_bf16",
-           "limit_ms", "fraction_of_limit", "error", "gpu_error"]
+           "host_ms", "bound", "tflops", "peak_mem_gb", "compile_s", "vs_torchao", "vs_bf16", "gpu_vs_torchao",
+           "gpu_vs_bf16", "limit_ms", "fraction_of_limit", "error", "gpu_error"]
 ROUNDS = 5  # interleaved timing blocks per configuration (_time_interleaved)
 SETTLE_S = 0.2  # idle seconds before each GPU-time measurement (_measure_gpu)
 WARMUP_S = 0.1  # seconds of warm-up at least: an idle H200 sits at 345 MHz and needs tens of ms to clock up
