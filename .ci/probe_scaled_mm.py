@@ -70,7 +70,7 @@ report("e4m3 A x e5m2 B", rowwise(b=b.to(E5)))
 report("scale_b shaped [N,1]", rowwise(sb=sb.t().contiguous()))
 report("scale_a shaped [1,M]", rowwise(sa=sa.t().contiguous()))
 report("scale_a non-contiguous (stride 2)", rowwise(sa=torch.rand(M, 2, device=dev)[:, :1]))
-report("scale_b non-contiguous (stride 2)", rowwise(sb=torch.rand(2, N, device=dev)[:1]))
+report("scale_b non-contiguous (stride 2)", rowwise(sb=torch.rand(1, 2 * N, device=dev)[:, ::2]))
 report("scales bf16", rowwise(sa=sa.bfloat16(), sb=sb.bfloat16()))
 report("scale_a 1-D [M]", rowwise(sa=sa.reshape(-1)))
 report("bias with bf16 out", rowwise(bias=torch.zeros(N, device=dev, dtype=torch.bfloat16)), exact)
@@ -115,9 +115,17 @@ report("fp16 out", block(output_dtype=torch.float16), exact)
 report("fast accum", block(use_fast_accum=True), exact)
 report("e5m2 A", block(a=a.to(E5)))
 a64 = fp8(64, K)
-report("M = 64 (not a multiple of 128)", block(a=a64, sa=col(blocks1x128(a64, 64, K))))
+sa64 = blocks1x128(a64, 64, K)
+report("M = 64 (not a multiple of 128)", block(a=a64, sa=col(sa64)),
+       (a64.double() * sa64.repeat_interleave(128, 1).double()) @ (b.double() * expanded_b))
 b192 = col(fp8(K, 192))
-report("N = 192 (not a multiple of 128)", block(b=b192, sb=padded_k_major(torch.rand(K // 128, 2, device=dev))))
+sb192 = torch.rand(K // 128, 2, device=dev) + 0.5
+report("N = 192 (not a multiple of 128)", block(b=b192, sb=padded_k_major(sb192)),
+       (a.double() * expanded_a) @ (b192.double() * sb192.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :192]
+                                    .double()))
+a192, b192k = fp8(M, 192), col(fp8(192, N))
+report("K = 192 (not a multiple of 128)", block(a=a192, b=b192k, sa=col(torch.rand(M, 2, device=dev) + 0.5),
+                                                 sb=padded_k_major(torch.rand(2, N // 128, device=dev) + 0.5)))
 report("B row-major", block(b=b.contiguous()))
 report("_scaled_mm with the same block scales (shapes infer the recipe)",
        lambda: torch._scaled_mm(a, b, scale_a=sa_col, scale_b=padded_k_major(sb), out_dtype=torch.bfloat16), exact)
@@ -126,10 +134,12 @@ Mg = 256
 a2, b2 = fp8(N, Mg), col(fp8(Mg, K))
 sa2, sb2 = torch.rand(N, Mg // 128, device=dev) + 0.5, torch.rand(Mg // 128, K, device=dev) + 0.5
 exact2 = (a2.double() * sa2.repeat_interleave(128, 1).double()) @ (b2.double() * sb2.repeat_interleave(128, 0).double())
-report("1x128 x 1x128 correct (B scales [M/128, K] row-major)",
+report("1x128 x 1x128, B scales shaped [M/128, K]",
        block(a=a2, b=b2, sa=col(sa2), sb=sb2.contiguous(), rb=S.BlockWise1x128), exact2)
-report("1x128 x 1x128, B scales column-major", block(a=a2, b=b2, sa=col(sa2), sb=col(sb2), rb=S.BlockWise1x128),
-       exact2)
+report("1x128 x 1x128, B scales [K, M/128] stored K-major (strides (1, K))",
+       block(a=a2, b=b2, sa=col(sa2), sb=col(sb2.t()), rb=S.BlockWise1x128), exact2)
+report("1x128 x 1x128, B scales [K, M/128] row-major", block(a=a2, b=b2, sa=col(sa2), sb=sb2.t().contiguous(),
+                                                              rb=S.BlockWise1x128), exact2)
 
 print("== casts")
 x = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)

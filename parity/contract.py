@@ -6,7 +6,8 @@
    strides fit the scaling kind (tensorwise: one element each; rowwise: [M, 1] and [1, N],
    contiguous; DeepSeek-style blocks: 1x128 scales of A as [M, K/128] stored M-major, 128x128
    scales of B as [K/128 padded to a multiple of 4, N/128] stored K-major, 1x128 scales of B as
-   [N, K/128]; e4m3 operands only; no fast accumulation with 128x128 blocks), and an out_dtype
+   [N, K/128] stored N-major; e4m3 operands only; no fast accumulation with 128x128 blocks;
+   measured on the H200: M, N and K need not be multiples of 128), and an out_dtype
    (otherwise it writes FP8). On the CPU _scaled_mm is lenient and runs such calls anyway (and
    has no block scaling at all), so a layout bug that raises on an H100 passes silently there.
    The recorder below intercepts every call while an implementation runs (also inside tensor
@@ -211,6 +212,8 @@ def _scale_violations(call: ScaledMMCall, M: int, K: int, N: int) -> list[str]:
                 problems.append(f"{fail}fast accumulation is not supported with 128x128 block scales")
         elif tuple(sb_shape) != (N, k_blocks):
             problems.append(f"{fail}1x128 scales of B [{K}x{N}] must be [{N}, {k_blocks}], got {list(sb_shape)}")
+        elif sb_stride and not _strided_as(sb_shape, sb_stride, (1, N)):
+            problems.append(f"{fail}1x128 scales of B must be stored N-major (strides (1, {N})), got {sb_stride}")
         return problems
     return [f"{fail}scale shapes {list(sa_shape)} and {list(sb_shape)} ({kinds[0]}/{kinds[1]}) are none of "
             f"tensorwise (1 element each), rowwise ([{M}, 1] and [1, {N}]) or 1x128/128x128 blocks"]

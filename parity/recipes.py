@@ -227,7 +227,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            parity_reference={"cpu": "torchao:rowwise_with_gw_hp", "cuda": "torchao:rowwise_with_gw_hp"}),
     Recipe("blockwise", "DeepSeek-V3: 1x128 tiles for activations and gradients, 128x128 blocks for weights, "
            "e4m3 everywhere", _gemms((_B1, _B128, False), (_B1, _B128), (_B1, _B1)),
-           parity_reference={"cpu": "emulated:blockwise", "cuda": "torchao:blockwise"}),
+           # torchao's blockwise training JIT-compiles and autotunes Triton kernels for every new shape
+           # (minutes for a check's hundred shapes), so checks compare with the exact emulation; its
+           # bitwise parity with fp8_impl on the H200 is a GPU test (test_fp8_impl.py)
+           parity_reference={"cpu": "emulated:blockwise", "cuda": "emulated:blockwise"}),
     Recipe("bf16", "nn.Linear in bfloat16", _gemms((_HP, _HP, False), (_HP, _HP), (_HP, _HP)),
            high_precision=torch.bfloat16),
     Recipe("fp64", "nn.Linear in float64", _gemms((_HP, _HP, False), (_HP, _HP), (_HP, _HP)),

@@ -9,7 +9,8 @@ from torch import nn
 
 from fp8_impl import Float8Linear
 from parity.cases import Case, Layout
-from parity.contract import ScaledMMRecorder, contract_violations, expected_contract, sm90_violations
+from parity.contract import (ScaledMMCall, ScaledMMRecorder, contract_violations, expected_contract,
+                             sm90_violations)
 from parity.data import make_data, materialize
 from parity.impls import load_impl
 
@@ -116,3 +117,59 @@ def test_float8_linear_contract_on_nd_input():
     out = layer(x)
     out.backward(torch.ones_like(out))
     assert out.shape == (2, 8, 16) and out.is_contiguous() and x.grad.shape == x.shape
+
+
+def _call(scaling, scale_a, scale_b, *, M=256, K=384, N=256, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
+          fast=False) -> ScaledMMCall:
+    """A recorded call as the recorder writes it: scale_a/scale_b are (shape, strides)."""
+    return ScaledMMCall("forward", "output", (M, K), (K, 1), a_dtype, 0, (K, N), (1, K), b_dtype, 0,
+                        (scale_a[0], "float32"), (scale_b[0], "float32"), None, "bfloat16", fast,
+                        op="scaled_mm_v2", scaling=scaling, scale_strides=(scale_a[1], scale_b[1]))
+
+
+# (what the call does, the call, a phrase of the rule it breaks (None: none)): each rule seen on the H200
+# by .ci/probe_scaled_mm.py
+RECIPE_RULES = [
+    ("rowwise, correct", _call(("rowwise", "rowwise"), ((256, 1), (1, 1)), ((1, 256), (256, 1))), None),
+    ("rowwise, scale_b shaped [N, 1]", _call(("rowwise", "rowwise"), ((256, 1), (1, 1)), ((256, 1), (1, 1))),
+     "rowwise scales must be [256, 1] and [1, 256]"),
+    ("rowwise, scale_a every other element", _call(("rowwise", "rowwise"), ((256, 1), (2, 1)), ((1, 256), (256, 1))),
+     "rowwise scales must be contiguous"),
+    ("blockwise, correct", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4))), None),
+    ("blockwise, A scales row-major", _call(("1x128", "128x128"), ((256, 3), (3, 1)), ((4, 2), (1, 4))),
+     "1x128 scales of A must be stored M-major"),
+    ("blockwise, B scales not padded", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((3, 2), (1, 3))),
+     "must be [4, 2] (K/128 padded to a multiple of 4)"),
+    ("blockwise, B scales N-major", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (2, 1))),
+     "128x128 scales of B must be stored K-major"),
+    ("blockwise, fast accumulation", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), fast=True),
+     "fast accumulation is not supported with 128x128"),
+    ("blockwise, e5m2 A", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), a_dtype="float8_e5m2"),
+     "block scaling takes e4m3 operands only"),
+    ("1x128 x 1x128, correct", _call(("1x128", "1x128"), ((256, 3), (1, 256)), ((256, 3), (1, 256))), None),
+    ("1x128 x 1x128, B scales row-major", _call(("1x128", "1x128"), ((256, 3), (1, 256)), ((256, 3), (3, 1))),
+     "1x128 scales of B must be stored N-major"),
+    ("block scales through _scaled_mm", _call(("?", "?"), ((256, 3), (1, 256)), ((4, 2), (1, 4))),
+     "are none of tensorwise"),
+]
+
+
+@pytest.mark.parametrize(("what", "call", "rule"), RECIPE_RULES, ids=[r[0] for r in RECIPE_RULES])
+def test_scale_rules_of_each_recipe(what, call, rule):
+    problems = sm90_violations(call)
+    if rule is None:
+        assert problems == [], problems
+    else:
+        assert any(rule in p for p in problems), problems
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_fp8_impl_rowwise_calls_keep_the_gpu_contract(recipe):
+    """The rowwise recipes' recorded calls on the CPU meet the H100's rules (fast accumulation: rowwise
+    scales; without: torchao's unit scales, the scales applied after the GEMM)."""
+    calls = record(f"fp8_impl:{recipe}", Case(lead=(32,), K=64, N=48))
+    assert len(calls) == (3 if recipe == "rowwise" else 2)  # rowwise_with_gw_hp: grad_weight in bf16
+    assert all(sm90_violations(c) == [] for c in calls), [sm90_violations(c) for c in calls]
+    by_gemm = {c.gemm: c for c in calls}
+    assert by_gemm["output"].scaling == ("rowwise", "rowwise") and by_gemm["output"].use_fast_accum
+    assert by_gemm["grad_input"].scaling == ("tensorwise", "tensorwise")  # unit scales
