@@ -420,9 +420,12 @@ def _describe(err: Exception) -> str:
 
 def run_bench(presets: Sequence[BenchPreset], impls: Sequence[Impl], *, compile_modes: Sequence[bool] = (False, True),
               device: str = "cuda", warmup: int | None = None, iters: int | None = None,
-              progress: Callable[[int, int, float], None] | None = None) -> pd.DataFrame:
+              progress: Callable[[int, int, float], None] | None = None,
+              checkpoint: Path | None = None) -> pd.DataFrame:
     """Every preset shape x compile mode x implementation -> one tidy DataFrame (COLUMNS), with
-    the environment and the ceilings in frame.attrs["env"]. `warmup`/`iters` override the presets'."""
+    the environment and the ceilings in frame.attrs["env"]. `warmup`/`iters` override the presets'.
+    `checkpoint`: a CSV rewritten (through a temporary file) after every shape and mode, so a run
+    cut short keeps the rows it measured."""
     device = require_gpu(device)
     start = time.perf_counter()
     ceilings, l2_bytes = measure_ceilings(device), l2_cache_bytes(device)
@@ -445,6 +448,10 @@ def run_bench(presets: Sequence[BenchPreset], impls: Sequence[Impl], *, compile_
                                             limit_ms=_limit_of(config.impl, M, K, N, ceilings, preset.dtype)))
                     del configs
                     torch._dynamo.reset()
+                    if checkpoint is not None:
+                        partial = Path(f"{checkpoint}.tmp")
+                        add_ratios(pd.DataFrame.from_records(records, columns=COLUMNS)).to_csv(partial, index=False)
+                        partial.replace(checkpoint)
                     if progress is not None:
                         progress(len(records), total, time.perf_counter() - start)
                 del pools

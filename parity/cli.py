@@ -273,13 +273,16 @@ def cmd_bench(args) -> int:
     print(f"fp8-parity bench: preset {names}, {sum(len(p.shapes) for p in presets)} shapes x {len(impls)} "
           f"implementations x {len(modes)} compile modes", file=sys.stderr)
     try:
+        out.mkdir(parents=True, exist_ok=True)
         frame = run_bench(presets, impls, compile_modes=modes, device=args.device, warmup=args.warmup,
-                          iters=args.iters, progress=_progress_bar(not args.quiet, "configurations"))
+                          iters=args.iters, progress=_progress_bar(not args.quiet, "configurations"),
+                          checkpoint=out / "partial.csv")
     except NoGPUError as err:
         raise CannotRun(str(err)) from None
     judged = bench_verdict(frame, candidate=impls[0].name)
     written = write_bench_report(frame, out, title=f"fp8-parity bench: {names} on {frame.attrs['env']['gpu']}",
                                  verdict=judged)
+    (out / "partial.csv").unlink(missing_ok=True)  # the complete table is written
     print(judged.headline)
     print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
     return EXIT_PASS if judged.ok else EXIT_FAIL
