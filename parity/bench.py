@@ -89,7 +89,7 @@ from fp8_impl.matmul import E4M3
 from parity import report
 from parity.env import environment
 from parity.impls import Impl
-from parity.recipes import RECIPES, Recipe
+from parity.recipes import DEFAULT_RECIPE, Recipe
 from parity.sweep import llama3_shapes, nanochat_shapes
 
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "bf16")
@@ -277,13 +277,13 @@ def measure_ceilings(device, *, warmup: int = 5, iters: int = 20) -> Ceilings:
                     bandwidth_gbs=2 * COPY_BYTES / copy_ms / 1e6)
 
 
-def glue_bytes(M: int, K: int, N: int, *, hp_bytes: int = 2, recipe: Recipe = RECIPES["tensorwise"]) -> int:
+def glue_bytes(M: int, K: int, N: int, *, hp_bytes: int = 2, recipe: Recipe = DEFAULT_RECIPE) -> int:
     """The fewest bytes a recipe's quantization glue moves per fwd+bwd (Recipe.glue_bytes: for
     tensorwise (2h + 2) bytes per element of input, weight and grad_output)."""
     return recipe.glue_bytes(M, K, N, hp_bytes=hp_bytes)
 
 
-def limit_ms(M: int, K: int, N: int, ceilings: Ceilings, *, recipe: Recipe = RECIPES["tensorwise"],
+def limit_ms(M: int, K: int, N: int, ceilings: Ceilings, *, recipe: Recipe = DEFAULT_RECIPE,
              hp_bytes: int = 2) -> float:
     """The fastest fwd+bwd here (ms): the recipe's FP8 GEMMs at the fp8 rate, its high-precision
     GEMMs at the bf16 rate, its quantization glue at the measured bandwidth."""

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--gpus", type=int, default=1,
                        help="split the cases over this many GPUs, one process each (default 1; capped at the GPUs "
                             "present; on the CPU one worker)")
+    sweep.add_argument("--accuracy-only", action="store_true",
+                       help="compare with fp64 only (no parity reference, no exact emulation): SQNR tables of "
+                            "large layers")
     sweep.add_argument("--seed", type=int, default=0)
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -214,7 +217,7 @@ def cmd_sweep(args) -> int:
     if gpus > 1:
         frame = run_sweep_sharded(cases, impl_names, devices=[f"cuda:{i}" for i in range(gpus)])
     else:
-        frame = run_sweep(cases, sweep_comparisons(impls, device), device=device,
+        frame = run_sweep(cases, sweep_comparisons(impls, device, accuracy_only=args.accuracy_only), device=device,
                           progress=_progress_bar(not args.quiet))
     judged = verdict(frame, candidate=impls[0].name)
     written = write_report(frame, out, title=f"fp8-parity sweep: {preset.name} preset on {device}",

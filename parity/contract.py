@@ -35,7 +35,8 @@ _V1_ARGS = ("a", "b", "scale_a", "scale_b", "bias", "scale_result", "out_dtype",
 _V2_ARGS = ("a", "b", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias", "out_dtype",
             "contraction_dim", "use_fast_accum")
 # torch.nn.functional.ScalingType values, as aten._scaled_mm_v2 receives them
-V2_SCALINGS = {0: "tensorwise", 1: "rowwise", 2: "1x16", 3: "1x32", 4: "1x128", 5: "128x128"}
+V2_SCALINGS = {0: "TensorWise", 1: "RowWise", 2: "BlockWise1x16", 3: "BlockWise1x32", 4: "BlockWise1x128",
+               5: "BlockWise128x128"}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -81,7 +82,9 @@ class ScaledMMCall:
     out_dtype: str | None
     use_fast_accum: bool
     op: str = "_scaled_mm"  # or "scaled_mm_v2" (torch.nn.functional.scaled_mm)
-    scaling: tuple = ()  # (A's, B's) scaling kind: tensorwise, rowwise, 1x128, 128x128, or "?" (unrecognized)
+    # (A's, B's) scaling kind, named as torch.nn.functional.ScalingType: TensorWise, RowWise,
+    # BlockWise1x128, BlockWise128x128, or "?" (scale shapes _scaled_mm does not recognize)
+    scaling: tuple = ()
     scale_strides: tuple = ((), ())
     step: int = 0
     data: CallData | None = field(default=None, compare=False, repr=False)
@@ -110,10 +113,10 @@ def _guess_gemm(phase: str, a_shape: tuple, b_shape: tuple, M: int, K: int, N: i
 def _v1_scaling(a_shape, scale_a: torch.Tensor, b_shape, scale_b: torch.Tensor) -> tuple[str, str]:
     """The scaling kinds torch._scaled_mm infers from the scale shapes (SM90: tensorwise or rowwise)."""
     if scale_a.numel() == 1 and scale_b.numel() == 1:
-        return "tensorwise", "tensorwise"
+        return "TensorWise", "TensorWise"
     if len(a_shape) == 2 and len(b_shape) == 2 and tuple(scale_a.shape) == (a_shape[0], 1) \
             and tuple(scale_b.shape) == (1, b_shape[1]):
-        return "rowwise", "rowwise"
+        return "RowWise", "RowWise"
     return "?", "?"
 
 
@@ -179,9 +182,9 @@ def _scale_violations(call: ScaledMMCall, M: int, K: int, N: int) -> list[str]:
     (sa_stride, sb_stride), kinds = call.scale_strides or ((), ()), call.scaling or ("?", "?")
     if sa_dtype != "float32" or sb_dtype != "float32":
         return [f"{fail}scales must be float32, got scale_a {sa_dtype} and scale_b {sb_dtype}"]
-    if kinds == ("tensorwise", "tensorwise"):
+    if kinds == ("TensorWise", "TensorWise"):
         return []
-    if kinds == ("rowwise", "rowwise"):
+    if kinds == ("RowWise", "RowWise"):
         problems = []
         if tuple(sa_shape) != (M, 1) or tuple(sb_shape) != (1, N):
             problems.append(f"{fail}rowwise scales must be [{M}, 1] and [1, {N}], got {list(sa_shape)} and "
@@ -189,8 +192,8 @@ def _scale_violations(call: ScaledMMCall, M: int, K: int, N: int) -> list[str]:
         elif sa_stride and not (_strided_as(sa_shape, sa_stride, (1, 1)) and _strided_as(sb_shape, sb_stride, (N, 1))):
             problems.append(f"{fail}rowwise scales must be contiguous, got strides {sa_stride} and {sb_stride}")
         return problems
-    blocks = ("1x128", "128x128")
-    if kinds[0] == "1x128" and kinds[1] in blocks:
+    blocks = ("BlockWise1x128", "BlockWise128x128")
+    if kinds[0] == "BlockWise1x128" and kinds[1] in blocks:
         problems = []
         if "float8_e5m2" in (call.a_dtype, call.b_dtype):
             problems.append(f"{fail}block scaling takes e4m3 operands only, got {call.a_dtype} x {call.b_dtype}")
@@ -200,7 +203,7 @@ def _scale_violations(call: ScaledMMCall, M: int, K: int, N: int) -> list[str]:
         elif sa_stride and not _strided_as(sa_shape, sa_stride, (1, M)):
             problems.append(f"{fail}1x128 scales of A must be stored M-major (strides (1, {M})), got {sa_stride}; "
                             f"pass scale.t().contiguous().t()")
-        if kinds[1] == "128x128":
+        if kinds[1] == "BlockWise128x128":
             padded = -(-k_blocks // 4) * 4
             if tuple(sb_shape) != (padded, -(-N // 128)):
                 problems.append(f"{fail}128x128 scales of B [{K}x{N}] must be [{padded}, {-(-N // 128)}] (K/128 padded "
@@ -287,9 +290,10 @@ def _grad_strides(shape: tuple, layout: Layout) -> tuple:
     return _contiguous_strides(shape)
 
 
-def expected_contract(case: Case) -> dict[str, TensorContract]:
-    """What nn.Linear gives for this case (parity's tests check this against nn.Linear itself)."""
-    in_dtype, w_dtype = case.torch_input_dtype, case.torch_weight_dtype
+def expected_contract(case: Case, *, compute_dtype: torch.dtype | None = None) -> dict[str, TensorContract]:
+    """What nn.Linear gives for this case (parity's tests check this against nn.Linear itself);
+    with `compute_dtype`, what it gives on the case's data cast to that dtype (a bf16 reference)."""
+    in_dtype, w_dtype = compute_dtype or case.torch_input_dtype, compute_dtype or case.torch_weight_dtype
     contract = dict(
         output=TensorContract(in_dtype, case.output_shape, _contiguous_strides(case.output_shape)),
         grad_input=TensorContract(in_dtype, case.input_shape, _grad_strides(case.input_shape, case.input_layout)),

@@ -52,14 +52,14 @@ def _call_scales(kind: str, scale: torch.Tensor, role: str, rows: int, inner: in
     recorded call's scale tensor of scaling `kind`; None when the layout is not understood."""
     s = scale.detach().to(torch.float64).cpu()
     try:
-        if kind == "tensorwise" or s.numel() == 1:
+        if kind == "TensorWise" or s.numel() == 1:
             return s.reshape(1, 1).expand(rows, inner)
-        if kind == "rowwise":  # A: [rows, 1]; B: [1, cols]
+        if kind == "RowWise":  # A: [rows, 1]; B: [1, cols]
             return (s.reshape(rows, 1) if role == "a" else s.reshape(1, rows).t()).expand(rows, inner)
         blocks = -(-inner // BLOCK)
-        if kind == "1x128":  # A: [rows, K/128]; B: [cols, K/128] (cuBLASLt's layout)
+        if kind == "BlockWise1x128":  # A: [rows, K/128]; B: [cols, K/128] (cuBLASLt's layout)
             return _expanded(s[:, :blocks], rows, blocks * BLOCK)[:, :inner]
-        if kind == "128x128" and role == "b":  # [K/128 padded to 4, cols/128]
+        if kind == "BlockWise128x128" and role == "b":  # [K/128 padded to 4, cols/128]
             return _expanded(s[:blocks].t(), -(-rows // BLOCK) * BLOCK, blocks * BLOCK)[:rows, :inner]
     except RuntimeError:  # a shape the kind does not allow: the contract rules report it
         return None
@@ -83,7 +83,7 @@ def compare_call(call: ScaledMMCall, spec: Gemm, qa: Quantized, qb: Quantized, r
         return out
     # torchao's form of an axis-scaled GEMM without fast accumulation: unit scales in the call,
     # the row and column scales multiplied into the result afterwards (checked by the results)
-    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "rowwise" and not spec.fast_accum
+    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and not spec.fast_accum
                  and data.scale_a.numel() == 1 and data.scale_b.numel() == 1
                  and float(data.scale_a.reshape(())) == 1.0 and float(data.scale_b.reshape(())) == 1.0)
     for role, operand, q, tensor, cast in (("a", spec.operands[0], qa, data.a, spec.a),

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from parity.cases import Layout
-from parity.recipes import FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
+from parity.recipes import DEFAULT_RECIPE, FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
 
 
 class ImplError(ValueError):
@@ -68,7 +68,7 @@ class Impl:
     name: str
     form: Form
     target: Any
-    recipe: Recipe = RECIPES["tensorwise"]  # what its numerics claim to be: decides oracle, policy, alignment
+    recipe: Recipe = DEFAULT_RECIPE  # what its numerics claim to be: decides oracle, policy, alignment
     convert_kwargs: dict = field(default_factory=dict)  # passed to a converter or to from_float
     exact: bool = False  # a float64 emulation: its results do not depend on the device
     # why a case cannot run here (beyond the recipe's alignment), or None: cuda-only kernels, dtypes
@@ -147,7 +147,7 @@ def _find_parameters(module: nn.Module, linear: nn.Linear):
 def _fp8_impl(recipe: Recipe) -> Callable[[], Impl]:
     def load() -> Impl:
         from fp8_impl import Float8Linear, Float8LinearConfig
-        name = "fp8_impl" if recipe is RECIPES["tensorwise"] else f"fp8_impl:{recipe.name}"
+        name = "fp8_impl" if recipe is DEFAULT_RECIPE else f"fp8_impl:{recipe.name}"
         return Impl(name, Form.MODULE, Float8Linear, recipe=recipe,
                     convert_kwargs=dict(config=Float8LinearConfig.from_recipe_name(recipe.name)))
     return load
@@ -227,21 +227,24 @@ def _emulated(recipe: Recipe) -> Callable[[], Impl]:
     return load
 
 
-# torchao's implementations of the recipes, by recipe name (the float8 module, or the prototype)
-TORCHAO = {"tensorwise": _torchao_float8, "rowwise": _torchao_float8, "rowwise_with_gw_hp": _torchao_float8,
-           "blockwise": _torchao_blockwise}
+def _torchao(recipe: Recipe) -> Callable[[], Impl]:
+    """torchao's implementation of a recipe: its block-scaled prototype, or torchao.float8."""
+    blocks = any(gemm.kind == "BlockWise" for gemm in recipe.gemms)
+    return _torchao_blockwise(recipe) if blocks else _torchao_float8(recipe)
+
+
 BUILTINS: dict[str, Callable[[], Impl]] = {
-    "fp8_impl": _fp8_impl(RECIPES["tensorwise"]),
+    "fp8_impl": _fp8_impl(DEFAULT_RECIPE),
     **{f"fp8_impl:{name}": _fp8_impl(RECIPES[name]) for name in FP8_RECIPES},
-    **{f"torchao:{name}": make(RECIPES[name]) for name, make in TORCHAO.items()},
-    "emulated": _emulated(RECIPES["tensorwise"]),
+    **{f"torchao:{name}": _torchao(RECIPES[name]) for name in FP8_RECIPES},
+    "emulated": _emulated(DEFAULT_RECIPE),
     **{f"emulated:{name}": _emulated(RECIPES[name]) for name in FP8_RECIPES},
     **{name: _reference(recipe) for name, recipe in RECIPES.items() if not recipe.is_fp8},
 }
 del BUILTINS["fp8_impl:tensorwise"]  # it is "fp8_impl"
 BUILTIN_HELP = {
     "fp8_impl": "this project's minimal Float8Linear (tensorwise; fp8_impl:RECIPE for the others)",
-    **{f"torchao:{name}": f"torchao, {name} recipe" for name in TORCHAO},
+    **{f"torchao:{name}": f"torchao, {name} recipe" for name in FP8_RECIPES},
     "emulated": "exact float64 emulation of a recipe's FP8 math (emulated:RECIPE; default tensorwise)",
     "bf16": "nn.Linear in bfloat16",
     "fp64": "nn.Linear in float64",
@@ -251,7 +254,7 @@ BUILTIN_HELP = {
 def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
     """The built-in of `family` (fp8_impl, torchao, emulated) implementing `recipe`, if any."""
     name = f"{family}:{recipe.name}"
-    if family == "fp8_impl" and recipe is RECIPES["tensorwise"]:
+    if family == "fp8_impl" and recipe is DEFAULT_RECIPE:
         return "fp8_impl"
     return name if name in BUILTINS else None
 
@@ -376,8 +379,8 @@ def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | Recipe
                 raise ImplError(f"unknown implementation {spec!r}: {hint}(it is no built-in, and as "
                                 f"'module:attr' it does not load: {str(err).split(';')[0]})") from None
             raise
-        impl = Impl(spec, detect_form(target) if form is None else Form(form), target, recipe=wanted or
-                    RECIPES["tensorwise"])
+        impl = Impl(spec, detect_form(target) if form is None else Form(form), target,
+                    recipe=wanted or DEFAULT_RECIPE)
     if form is not None:
         impl.form = Form(form)
     return impl

@@ -27,11 +27,11 @@ from typing import Sequence
 
 import torch
 
-from parity.recipes import GEMMS, RECIPES, Cast, Recipe, Scaling
+from parity.recipes import DEFAULT_RECIPE, GEMMS, Cast, Recipe, Scaling
 
 EPS = 1e-12  # the amax floor of torchao's amax_to_scale
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-TENSORWISE = RECIPES["tensorwise"]
+TENSORWISE = DEFAULT_RECIPE
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def emulate_linear(input: torch.Tensor, weight: torch.Tensor, grad_output: torch
 def result_dtypes(recipe: Recipe, gemm_name: str, out_dtype: torch.dtype) -> list[torch.dtype]:
     """The dtypes a GEMM's result is rounded to on its way to `out_dtype` (axis- and block-scaled
     GEMMs of recipes with scaled_out_bf16 write bf16 first)."""
-    if recipe.scaled_out_bf16 and recipe.gemm(gemm_name).kind in ("rowwise", "blockwise") \
+    if recipe.scaled_out_bf16 and recipe.gemm(gemm_name).kind == "RowWise" \
             and out_dtype != torch.bfloat16:
         return [torch.bfloat16, out_dtype]
     return [out_dtype]

@@ -56,7 +56,7 @@ from typing import Iterable, Mapping
 
 import pandas as pd
 
-from parity.recipes import RECIPES, Recipe, get_recipe
+from parity.recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
 
 SQNR_MARGIN_DB = 3.0
 TINY_MARGIN_DB = 10.0
@@ -141,7 +141,7 @@ def _row_violations(row: Mapping, policy: Policy) -> list[Violation]:
         row["case_id"], row["impl"], row["reference"], row["tensor"], int(row["step"]), metric, value, allowed,
         f"{row['tensor']} (step {row['step']}): {message}", where)
     out = []
-    recipe = _text(row, "recipe") or "tensorwise"
+    recipe = _text(row, "recipe") or DEFAULT_RECIPE.name
     floor = (sqnr_floor(recipe, row["tensor"], row["dist"], row["input_dtype"], row.get("n_eff", math.inf))
              if policy is Policy.SQNR else None)
     if policy is Policy.SQNR and floor is None:

@@ -95,14 +95,15 @@ class Gemm:
 
     @property
     def kind(self) -> str:
-        """The _scaled_mm call this GEMM makes: tensorwise, rowwise (axis scales; a tensorwise
-        partner is broadcast to a row), blockwise, or none (a plain high-precision matmul)."""
+        """The scaled GEMM this is, named as torch.nn.functional.ScalingType: TensorWise, RowWise
+        (axis scales; a tensorwise partner is broadcast to a row), BlockWise (1x128 / 128x128), or
+        none (a plain high-precision matmul)."""
         kinds = {self.a.scaling, self.b.scaling}
         if Scaling.NONE in kinds:
             return "none"
         if kinds & {Scaling.BLOCK_1X128, Scaling.BLOCK_128X128}:
-            return "blockwise"
-        return "rowwise" if Scaling.AXISWISE in kinds else "tensorwise"
+            return "BlockWise"
+        return "RowWise" if Scaling.AXISWISE in kinds else "TensorWise"
 
     @property
     def operands(self) -> tuple[str, str]:
@@ -159,7 +160,7 @@ class Recipe:
         1 for a high-precision reference."""
         if not self.is_fp8:
             return 1
-        blocks = any(g.kind == "blockwise" for g in self.gemms)
+        blocks = any(g.kind == "BlockWise" for g in self.gemms)
         return BLOCK if blocks else 16
 
     def unsupported(self, M: int, K: int, N: int) -> str | None:
@@ -237,6 +238,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            high_precision=torch.float64),
 )}
 FP8_RECIPES = tuple(name for name, recipe in RECIPES.items() if recipe.is_fp8)
+DEFAULT_RECIPE = RECIPES["tensorwise"]  # what code claims when it says nothing: torchao's default, fp8_impl's
 
 
 class RecipeError(ValueError):

@@ -182,7 +182,7 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
     """Rows of `candidate` against `reference` for every tensor and step of the case."""
     case = data.case
     comparison = Comparison(candidate.impl, reference.impl, policy or default_policy(candidate.impl, reference.impl))
-    contract = expected_contract(case)
+    contract = expected_contract(case, compute_dtype=candidate.impl.compute_dtype)
     gemm_problems: dict[str, list[str]] = {}
     for call in candidate.calls:
         for problem in sm90_violations(call):

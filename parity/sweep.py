@@ -28,15 +28,16 @@ from parity.strategies import cases as case_strategy
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16")
 
 
-def sweep_comparisons(impls: Sequence[Impl], device_type: str) -> list[Comparison]:
+def sweep_comparisons(impls: Sequence[Impl], device_type: str, *, accuracy_only: bool = False) -> list[Comparison]:
     """Each implementation against fp64 (accuracy), the reference implementation of its recipe on
     this device (parity) and its recipe's exact emulation (the accumulation bound and the
-    operands of its GEMM calls), each judged by its default policy."""
+    operands of its GEMM calls), each judged by its default policy; only against fp64 with
+    `accuracy_only` (an accuracy table of large layers, where the float64 emulation costs most)."""
     fp64 = load_impl("fp64")
     comparisons = []
     for impl in impls:
         references = [fp64]
-        if impl.recipe.is_fp8:
+        if impl.recipe.is_fp8 and not accuracy_only:
             references.append(default_reference(impl, device_type))
             if not impl.exact:
                 references.append(load_impl(builtin_for_recipe("emulated", impl.recipe)))

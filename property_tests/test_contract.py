@@ -130,24 +130,24 @@ def _call(scaling, scale_a, scale_b, *, M=256, K=384, N=256, a_dtype="float8_e4m
 # (what the call does, the call, a phrase of the rule it breaks (None: none)): each rule seen on the H200
 # by .ci/probe_scaled_mm.py
 RECIPE_RULES = [
-    ("rowwise, correct", _call(("rowwise", "rowwise"), ((256, 1), (1, 1)), ((1, 256), (256, 1))), None),
-    ("rowwise, scale_b shaped [N, 1]", _call(("rowwise", "rowwise"), ((256, 1), (1, 1)), ((256, 1), (1, 1))),
+    ("rowwise, correct", _call(("RowWise", "RowWise"), ((256, 1), (1, 1)), ((1, 256), (256, 1))), None),
+    ("rowwise, scale_b shaped [N, 1]", _call(("RowWise", "RowWise"), ((256, 1), (1, 1)), ((256, 1), (1, 1))),
      "rowwise scales must be [256, 1] and [1, 256]"),
-    ("rowwise, scale_a every other element", _call(("rowwise", "rowwise"), ((256, 1), (2, 1)), ((1, 256), (256, 1))),
+    ("rowwise, scale_a every other element", _call(("RowWise", "RowWise"), ((256, 1), (2, 1)), ((1, 256), (256, 1))),
      "rowwise scales must be contiguous"),
-    ("blockwise, correct", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4))), None),
-    ("blockwise, A scales row-major", _call(("1x128", "128x128"), ((256, 3), (3, 1)), ((4, 2), (1, 4))),
+    ("blockwise, correct", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4))), None),
+    ("blockwise, A scales row-major", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (3, 1)), ((4, 2), (1, 4))),
      "1x128 scales of A must be stored M-major"),
-    ("blockwise, B scales not padded", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((3, 2), (1, 3))),
+    ("blockwise, B scales not padded", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((3, 2), (1, 3))),
      "must be [4, 2] (K/128 padded to a multiple of 4)"),
-    ("blockwise, B scales N-major", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (2, 1))),
+    ("blockwise, B scales N-major", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (2, 1))),
      "128x128 scales of B must be stored K-major"),
-    ("blockwise, fast accumulation", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), fast=True),
+    ("blockwise, fast accumulation", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), fast=True),
      "fast accumulation is not supported with 128x128"),
-    ("blockwise, e5m2 A", _call(("1x128", "128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), a_dtype="float8_e5m2"),
+    ("blockwise, e5m2 A", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), a_dtype="float8_e5m2"),
      "block scaling takes e4m3 operands only"),
-    ("1x128 x 1x128, correct", _call(("1x128", "1x128"), ((256, 3), (1, 256)), ((256, 3), (1, 256))), None),
-    ("1x128 x 1x128, B scales row-major", _call(("1x128", "1x128"), ((256, 3), (1, 256)), ((256, 3), (3, 1))),
+    ("1x128 x 1x128, correct", _call(("BlockWise1x128", "BlockWise1x128"), ((256, 3), (1, 256)), ((256, 3), (1, 256))), None),
+    ("1x128 x 1x128, B scales row-major", _call(("BlockWise1x128", "BlockWise1x128"), ((256, 3), (1, 256)), ((256, 3), (3, 1))),
      "1x128 scales of B must be stored N-major"),
     ("block scales through _scaled_mm", _call(("?", "?"), ((256, 3), (1, 256)), ((4, 2), (1, 4))),
      "are none of tensorwise"),
@@ -171,5 +171,28 @@ def test_fp8_impl_rowwise_calls_keep_the_gpu_contract(recipe):
     assert len(calls) == (3 if recipe == "rowwise" else 2)  # rowwise_with_gw_hp: grad_weight in bf16
     assert all(sm90_violations(c) == [] for c in calls), [sm90_violations(c) for c in calls]
     by_gemm = {c.gemm: c for c in calls}
-    assert by_gemm["output"].scaling == ("rowwise", "rowwise") and by_gemm["output"].use_fast_accum
-    assert by_gemm["grad_input"].scaling == ("tensorwise", "tensorwise")  # unit scales
+    assert by_gemm["output"].scaling == ("RowWise", "RowWise") and by_gemm["output"].use_fast_accum
+    assert by_gemm["grad_input"].scaling == ("TensorWise", "TensorWise")  # unit scales
+
+
+def test_no_module_names_a_recipe_outside_the_recipe_definitions():
+    """Recipes are data (parity/recipes.py; fp8_impl/config.py for fp8_impl): every other module asks a
+    Recipe its properties. No string constant outside docstrings names a recipe there."""
+    import ast
+    from pathlib import Path
+
+    from parity.recipes import FP8_RECIPES
+    root = Path(__file__).resolve().parent.parent
+    allowed = {root / "parity" / "recipes.py", root / "fp8_impl" / "config.py"}
+    found = []
+    for path in sorted([*(root / "parity").glob("*.py"), *(root / "fp8_impl").glob("*.py")]):
+        if path in allowed:
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        found += [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in FP8_RECIPES and id(node) not in docstrings]
+    assert not found, found

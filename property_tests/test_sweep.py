@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 
 import pandas as pd
+import pytest
 
+from parity.cases import Case
 from parity.cli import main
 from parity.sweep import PRESETS, llama3_shapes, nanochat_shapes, sample_cases
 
@@ -66,3 +68,33 @@ def test_sharded_sweep_equals_one_worker():
     one, two = one.sort_values(key).reset_index(drop=True), two.sort_values(key).reset_index(drop=True)
     assert two["gpu"].nunique() == 2 and len(one) == len(two)
     pd.testing.assert_series_equal(one["sqnr_db"], two["sqnr_db"])
+
+
+AGREEMENT_CASES = [Case(lead=(32,), K=64, N=48, input_layout="T"), Case(lead=(128,), K=256, N=128, dist="outlier"),
+                   Case(lead=(2, 64), K=128, N=256, bias=True, weight_dtype="fp32")]
+
+
+@pytest.mark.parametrize("impl", ["fp8_impl", "fp8_impl:rowwise", "fp8_impl:rowwise_with_gw_hp", "fp8_impl:blockwise",
+                                  "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16",
+                                  "property_tests/mutants.py:weight_scale_bf16"])
+def test_check_and_sweep_agree_on_every_builtin_pair(impl):
+    """One verdict path: for every (implementation, reference) pair the sweep makes, `check` on the
+    same cases reaches the same verdict, and the report's verdict is their conjunction."""
+    from parity.check import CheckPlan, run_check
+    from parity.impls import load_impl
+    from parity.policy import evaluate
+    from parity.report import verdict
+    from parity.sweep import run_sweep, sweep_comparisons
+    candidate = load_impl(impl)
+    comparisons = sweep_comparisons([candidate], "cpu")
+    frame = run_sweep([("sampled", case) for case in AGREEMENT_CASES], comparisons, device="cpu")
+    verdicts = []
+    for comparison in comparisons:
+        rows = frame[frame["reference"] == comparison.reference.name]
+        swept = not evaluate(rows, impls=[candidate.name])
+        checked = run_check(CheckPlan.make(candidate, comparison.reference, oracle=False), cases=AGREEMENT_CASES)
+        assert checked.verdict in ("pass", "fail") and (checked.verdict == "pass") == swept, (
+            f"{impl} vs {comparison.reference.name}: check {checked.verdict}, sweep {'pass' if swept else 'fail'}")
+        verdicts.append(swept)
+    assert verdict(frame, candidate=candidate.name).ok == all(verdicts)
+    assert all(verdicts) == (impl != "property_tests/mutants.py:weight_scale_bf16")

@@ -26,14 +26,16 @@ TORCHAO_OUTPUT_DB, TORCHAO_GRAD_WEIGHT_DB = 18.0, 17.0
 
 def torchao_style_catches(mutant: Mutant, device: str = "cpu", seed: int = 0) -> bool:
     """One toy-shape accuracy test, as torchao writes them: Linear(16, 32), a 16x16 bf16 input,
-    the FP8 layer's output and grad_weight against the bf16 layer's, by SQNR."""
+    the FP8 layer's output and grad_weight against the bf16 layer's, by SQNR (blockwise mutants:
+    Linear(128, 256) on a 128x128 input, the smallest shape that recipe takes)."""
+    size = max(16, load_impl(mutant.spec, recipe=mutant.recipe).recipe.alignment)
     torch.manual_seed(seed)
-    reference = nn.Linear(16, 32, dtype=torch.bfloat16, device=device)
-    candidate_linear = nn.Linear(16, 32, dtype=torch.bfloat16, device=device)
+    reference = nn.Linear(size, 2 * size, dtype=torch.bfloat16, device=device)
+    candidate_linear = nn.Linear(size, 2 * size, dtype=torch.bfloat16, device=device)
     candidate_linear.load_state_dict(reference.state_dict())
     try:
-        candidate, _, _ = load_impl(mutant.spec).build(candidate_linear)
-        x = torch.randn(16, 16, dtype=torch.bfloat16, device=device)
+        candidate, _, _ = load_impl(mutant.spec, recipe=mutant.recipe).build(candidate_linear)
+        x = torch.randn(size, size, dtype=torch.bfloat16, device=device)
         out_ref, out = reference(x), candidate(x.clone())
         out_ref.sum().backward()
         out.sum().backward()
@@ -45,20 +47,22 @@ def torchao_style_catches(mutant: Mutant, device: str = "cpu", seed: int = 0) ->
 
 def rates(device: str = "cpu") -> list[dict]:
     rows = []
-    reference = load_impl("torchao:tensorwise")
     for mutant in MUTANTS:
-        if mutant.gpu_only and mutant.category == "accumulation" and device != "cuda":
-            rows.append(dict(mutant=mutant.name, category=mutant.category, check="n/a (GPU only)",
-                             bisect="n/a (GPU only)", torchao_style=torchao_style_catches(mutant, device)))
+        if mutant.gpu_only and device != "cuda":
+            rows.append(dict(mutant=mutant.name, recipe=mutant.recipe, category=mutant.category,
+                             check="n/a (GPU only)", bisect="n/a (GPU only)",
+                             torchao_style=torchao_style_catches(mutant, device)))
             continue
-        plan = CheckPlan.make(load_impl(mutant.spec), reference)
+        plan = CheckPlan.make(load_impl(mutant.spec, recipe=mutant.recipe), device=device)
         checked = run_check(plan, device=device, max_examples=60)
         result = localize(plan, device=device, max_examples=60)
         localized = (result.category == mutant.category and sorted(result.gemm) == sorted(mutant.gemms)
                      and result.operand == mutant.operand
                      and (mutant.trigger is None or any(mutant.trigger in t for t in result.trigger)))
-        rows.append(dict(mutant=mutant.name, category=mutant.category, check=checked.verdict == "fail",
-                         cases_to_kill=checked.cases_run, bisect=localized,
+        rows.append(dict(mutant=mutant.name, recipe=mutant.recipe, category=mutant.category,
+                         check=checked.verdict == "fail", cases_to_kill=checked.cases_run, bisect=localized,
+                         bisect_said=f"{result.category} / {','.join(result.gemm)} / {result.operand} / "
+                                     f"{'; '.join(result.trigger) or '-'}",
                          torchao_style=torchao_style_catches(mutant, device)))
     return rows
 
