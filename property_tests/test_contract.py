@@ -127,6 +127,7 @@ def _call(scaling, scale_a, scale_b, *, M=256, K=384, N=256, a_dtype="float8_e4m
                         op="scaled_mm_v2", scaling=scaling, scale_strides=(scale_a[1], scale_b[1]))
 
 
+BLOCKS, TILES = ("BlockWise1x128", "BlockWise128x128"), ("BlockWise1x128", "BlockWise1x128")
 # (what the call does, the call, a phrase of the rule it breaks (None: none)): each rule seen on the H200
 # by .ci/probe_scaled_mm.py
 RECIPE_RULES = [
@@ -135,19 +136,19 @@ RECIPE_RULES = [
      "rowwise scales must be [256, 1] and [1, 256]"),
     ("rowwise, scale_a every other element", _call(("RowWise", "RowWise"), ((256, 1), (2, 1)), ((1, 256), (256, 1))),
      "rowwise scales must be contiguous"),
-    ("blockwise, correct", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4))), None),
-    ("blockwise, A scales row-major", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (3, 1)), ((4, 2), (1, 4))),
+    ("blockwise, correct", _call(BLOCKS, ((256, 3), (1, 256)), ((4, 2), (1, 4))), None),
+    ("blockwise, A scales row-major", _call(BLOCKS, ((256, 3), (3, 1)), ((4, 2), (1, 4))),
      "1x128 scales of A must be stored M-major"),
-    ("blockwise, B scales not padded", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((3, 2), (1, 3))),
+    ("blockwise, B scales not padded", _call(BLOCKS, ((256, 3), (1, 256)), ((3, 2), (1, 3))),
      "must be [4, 2] (K/128 padded to a multiple of 4)"),
-    ("blockwise, B scales N-major", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (2, 1))),
+    ("blockwise, B scales N-major", _call(BLOCKS, ((256, 3), (1, 256)), ((4, 2), (2, 1))),
      "128x128 scales of B must be stored K-major"),
-    ("blockwise, fast accumulation", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), fast=True),
+    ("blockwise, fast accumulation", _call(BLOCKS, ((256, 3), (1, 256)), ((4, 2), (1, 4)), fast=True),
      "fast accumulation is not supported with 128x128"),
-    ("blockwise, e5m2 A", _call(("BlockWise1x128", "BlockWise128x128"), ((256, 3), (1, 256)), ((4, 2), (1, 4)), a_dtype="float8_e5m2"),
+    ("blockwise, e5m2 A", _call(BLOCKS, ((256, 3), (1, 256)), ((4, 2), (1, 4)), a_dtype="float8_e5m2"),
      "block scaling takes e4m3 operands only"),
-    ("1x128 x 1x128, correct", _call(("BlockWise1x128", "BlockWise1x128"), ((256, 3), (1, 256)), ((256, 3), (1, 256))), None),
-    ("1x128 x 1x128, B scales row-major", _call(("BlockWise1x128", "BlockWise1x128"), ((256, 3), (1, 256)), ((256, 3), (3, 1))),
+    ("1x128 x 1x128, correct", _call(TILES, ((256, 3), (1, 256)), ((256, 3), (1, 256))), None),
+    ("1x128 x 1x128, B scales row-major", _call(TILES, ((256, 3), (1, 256)), ((256, 3), (3, 1))),
      "1x128 scales of B must be stored N-major"),
     ("block scales through _scaled_mm", _call(("?", "?"), ((256, 3), (1, 256)), ((4, 2), (1, 4))),
      "are none of tensorwise"),
