@@ -1,25 +1,28 @@
 """`fp8-parity bisect`: localize a failing FP8 implementation to GEMM, operand, bug class,
 trigger and minimal case, with evidence.
 
-Starting from the minimal failing case that `check` finds, four kinds of evidence are
-gathered, each cheap on a minimal case:
+From the minimal failing case that `check` finds:
 
-1. Which tensors diverge, in GEMM order (output, grad_input, grad_weight). Backward GEMMs
-   are fed the case's own grad_output, never the candidate's forward result, so each GEMM is
-   driven on its own. The pattern names the operand: input feeds output and grad_weight;
-   weight feeds output and grad_input; grad_output feeds grad_input and grad_weight.
-2. The trigger: each condition of the minimal case (a layout, K == N, N-D input, a dtype,
-   a second call, the data distribution, a bias, the device) is undone one at a time; the
-   ones whose undoing makes the failure vanish are what it needs.
-3. Metamorphic relations (parity.relations) that the candidate breaks, and the nearest
-   *wrong* oracle: the exact emulation with one deliberate mistake (weight transposed,
-   wrong fp8 format, amax without abs, scale not inverted, ...) that reproduces the
-   candidate's numbers.
-4. The recorded _scaled_mm calls: where the candidate's call for a GEMM differs from the
-   reference's (dtypes, strides, scales, flags), or would fail on an H100.
+1. Triggers by experiment. Each condition of the minimal case (a non-contiguous layout, K == N,
+   N-D input, a dtype, a second call, the data distribution, a bias) is flipped on its own, with
+   the same seed: a condition is a trigger when the failure disappears without it (it is there
+   with it: the minimal case fails). A crash is tracked apart from wrong numbers, so a condition
+   that only turns a crash off is the crash's trigger, and the case without it is where the
+   numbers are diagnosed.
+2. Diagnosis along the data path (parity.diagnose), on a case that runs: every recorded
+   _scaled_mm call is compared with the call the recipe's oracle expects, stage by stage (fp8
+   format, scales, fp8 values, flags), and a stage that differs is explained by the hypothesis
+   that reproduces the recorded operand exactly; a GEMM whose calls agree but whose result does
+   not is explained at the result stage (rescaled, transposed, bias, overflow). GEMMs that make
+   no _scaled_mm call are diagnosed by behaviour: the same hypotheses emulated end to end.
+3. The class and operand come from the first GEMM (output, grad_input, grad_weight) and the
+   first stage that differs; a difference within the accumulation bound is a rounding-level
+   (accumulation) finding, never a structural one; "unknown" comes with the stages compared.
+4. Evidence: the violations, the stage findings, the recorded calls of the blamed GEMMs and how
+   they differ from the reference's, and the metamorphic relations (parity.relations) it breaks.
 
-The bug classes (see the README): transpose, layout, scale, fp8_dtype,
-saturation, accumulation, contract, stale_state, crash.
+The bug classes: transpose, layout, scale, fp8_dtype, saturation, accumulation, contract,
+stale_state, crash, and precision (a GEMM in another precision than the recipe's).
 """
 
 from __future__ import annotations
@@ -27,130 +30,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
 
-from parity import oracles
 from parity.cases import Case, Dist, Layout
 from parity.check import CheckPlan, run_check
-from parity.contract import ScaledMMCall, sm90_violations
-from parity.data import StepData, make_data
+from parity.contract import ScaledMMCall, sm90_problems
+from parity.data import make_data
+from parity.diagnose import (MATCH_DB, Finding, Match, call_findings, diagnose_behaviour, explain_result,
+                             high_precision_closeness, strides_ignored)
 from parity.env import environment
-from parity.metrics import compare
 from parity.policy import Violation
+from parity.recipes import GEMMS, OPERANDS
 from parity.relations import RELATIONS, check_layout_invariance, check_relation, check_weight_update
-from parity.diagnose import call_findings
 from parity.runner import emulated_steps_of, execute, run_case
 
-GEMMS = ("output", "grad_input", "grad_weight")
-OPERANDS_OF = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight"),
-               "grad_weight": ("grad_output", "input")}  # (A, B) of each GEMM
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-MATCH_DB = 45.0  # a wrong oracle "matches" above this SQNR: quantization-level bugs sit near 25-30 dB
-
-
-# ---- wrong oracles --------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class WrongOracle:
-    """The exact emulation with one deliberate mistake."""
-
-    name: str
-    category: str
-    operand: str
-    description: str
-    quantize: dict = field(default_factory=dict)  # operand -> oracles.quantize keyword overrides (+ "fp8")
-    weight_view: str = "transposed"  # output GEMM's B: weight.T | "reshaped" [K,N] | "untransposed" (K == N)
-    grad_weight_view: str = "normal"  # "reshaped": (input.T @ grad_output) reshaped to [N, K]
-    previous_weight: bool = False  # the weight of the call before (a stale cache)
-
-    def applies(self, case: Case, step_index: int) -> bool:
-        return (self.weight_view != "untransposed" or case.K == case.N) and (not self.previous_weight or step_index > 0)
-
-    def emulate(self, step: StepData, previous: StepData | None = None) -> dict[str, torch.Tensor]:
-        if self.previous_weight:
-            step = StepData(step.input, previous.weight, step.grad_output)
-        K, N = step.input.shape[-1], step.weight.shape[0]
-        fp8 = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
-
-        def q(name, tensor):  # tensor laid out [rows, inner] as its GEMM reads it
-            options = dict(self.quantize.get(name, {}))
-            return oracles.quantize(tensor, options.pop("fp8", fp8[name]), **options)
-        x, w, go = step.input.reshape(-1, K), step.weight, step.grad_output.reshape(-1, N)
-        if self.weight_view == "reshaped":
-            output = oracles.gemm(q("input", x), q("weight", w.reshape(K, N).t()))
-        elif self.weight_view == "untransposed":
-            output = oracles.gemm(q("input", x), q("weight", w.t()))
-        else:
-            output = oracles.gemm(q("input", x), q("weight", w))
-        if self.grad_weight_view == "reshaped":
-            grad_weight = oracles.gemm(q("input", x.t()), q("grad_output", go.t())).reshape(N, K)
-        else:
-            grad_weight = oracles.gemm(q("grad_output", go.t()), q("input", x.t()))
-        return dict(output=output, grad_input=oracles.gemm(q("grad_output", go), q("weight", w.t())),
-                    grad_weight=grad_weight)
-
-
-def _quantization_mistakes() -> list[WrongOracle]:
-    mistakes = []
-    for operand, right, wrong in (("input", "e4m3", E5M2), ("weight", "e4m3", E5M2), ("grad_output", "e5m2", E4M3)):
-        other = "e5m2" if right == "e4m3" else "e4m3"
-        mistakes += [
-            WrongOracle(f"{operand}_{other}", "fp8_dtype", operand,
-                        f"{operand} quantized to {other} instead of {right}",
-                        {operand: {"fp8": wrong}}),
-            WrongOracle(f"{operand}_amax_without_abs", "scale", operand, f"{operand} amax = max(x), not max(|x|)",
-                        {operand: {"absolute_amax": False}}),
-            WrongOracle(f"{operand}_scale_bf16", "scale", operand, f"{operand} scale rounded to bfloat16",
-                        {operand: {"scale_dtype": torch.bfloat16}}),
-            WrongOracle(f"{operand}_scale_not_inverted", "scale", operand,
-                        f"the GEMM given {operand}'s scale instead of its inverse",
-                        {operand: {"inverse_scale": False}}),
-        ]
-    mistakes += [
-        WrongOracle("input_scaled_to_e5m2_max", "saturation", "input",
-                    "input scaled to e5m2's max (57344) and saturated at e4m3's 448",
-                    {"input": {"target_max": 57344.0}}),
-        WrongOracle("weight_scaled_to_e5m2_max", "saturation", "weight",
-                    "weight scaled to e5m2's max and saturated at e4m3's 448", {"weight": {"target_max": 57344.0}}),
-        WrongOracle("input_clamped_at_240", "saturation", "input", "input clamped at 240 (e4m3fnuz's max) on e4m3fn",
-                    {"input": {"clamp_max": 240.0}}),
-    ]
-    return mistakes
-
-
-WRONG_ORACLES: tuple[WrongOracle, ...] = (
-    WrongOracle("weight_reshaped", "transpose", "weight", "the [N,K] weight reinterpreted as [K,N] (reshape, not .T)",
-                weight_view="reshaped"),
-    WrongOracle("weight_not_transposed", "transpose", "weight", "input @ weight instead of input @ weight.T",
-                weight_view="untransposed"),
-    WrongOracle("grad_weight_reshaped", "transpose", "result", "grad_weight computed as input.T @ grad_output "
-                "and reshaped to [N,K]", grad_weight_view="reshaped"),
-    WrongOracle("previous_weight", "stale_state", "weight", "the weight of the previous call (a stale cache)",
-                previous_weight=True),
-    *_quantization_mistakes(),
-)
-
-
-def nearest_wrong_oracle(case: Case, steps: Sequence[StepData], step_index: int, got: dict[str, torch.Tensor],
-                         tensors: Sequence[str]):
-    """(oracle, worst SQNR over `tensors`, the correct emulation's SQNR) for the wrong oracle
-    closest to the candidate's results of call `step_index`; the oracle is None unless one
-    matches (>= MATCH_DB, and >= 10 dB closer than the correct emulation)."""
-    def closeness(results) -> float:
-        return min(compare(got[t], oracles.rounded_like_result(results[t], case, t).reshape(got[t].shape))["sqnr_db"]
-                   for t in tensors)
-    step, previous = steps[step_index], steps[step_index - 1] if step_index else None
-    correct = closeness(oracles.emulate_linear(step.input, step.weight, step.grad_output).__dict__)
-    scored = [(closeness(o.emulate(step, previous)), o) for o in WRONG_ORACLES if o.applies(case, step_index)]
-    best_db, best = max(scored, key=lambda pair: pair[0])
-    if best_db >= MATCH_DB and best_db >= correct + 10:
-        return best, best_db, correct
-    return None, best_db, correct
+NUMERIC_METRICS = ("bitwise", "accumulation_bound", "sqnr_db", "paired_sqnr_db", "nonfinite", "operand")
+STAGE_ORDER = ("calls", "precision", "fp8_dtype", "scale", "bytes", "fast_accum", "result")
 
 
 # ---- triggers --------------------------------------------------------------------------------------------
 
-def _undo_conditions(case: Case) -> list[tuple[str, str, Case]]:
+def _conditions(case: Case) -> list[tuple[str, str, Case]]:
     """(trigger label, operand it points at, the case without that condition)."""
     undo = []
     layouts = (("input_layout", "input"), ("weight_layout", "weight"), ("grad_output_layout", "grad_output"))
@@ -160,7 +59,8 @@ def _undo_conditions(case: Case) -> list[tuple[str, str, Case]]:
             undo.append((f"only with non-contiguous {operand} ({layout.name.lower()})", operand,
                          case.replace(**{attr: Layout.CONTIGUOUS})))
     if case.K == case.N:
-        undo.append(("only when K == N", "weight", case.replace(N=case.N + 16)))
+        step = 128 if case.K % 128 == 0 else 16
+        undo.append(("only when K == N", "weight", case.replace(N=case.N + step)))
     if len(case.lead) > 1:
         undo.append(("only with N-D input", "input", case.replace(lead=(case.M,))))
     if case.input_dtype != "bf16":
@@ -174,6 +74,34 @@ def _undo_conditions(case: Case) -> list[tuple[str, str, Case]]:
     if case.bias:
         undo.append(("only with a bias", "", case.replace(bias=False)))
     return undo
+
+
+@dataclass
+class Outcome:
+    """What the plan's comparisons say about one case."""
+
+    violations: list[Violation]
+
+    @property
+    def fails(self) -> bool:
+        return bool(self.violations)
+
+    @property
+    def crashed(self) -> bool:
+        return any(v.metric == "crash" for v in self.violations)
+
+    @property
+    def numeric(self) -> list[Violation]:
+        return [v for v in self.violations if v.metric in NUMERIC_METRICS and not _is_contract_only(v)]
+
+
+def _outcome(plan: CheckPlan, case: Case, device: str) -> Outcome:
+    return Outcome(plan.judge(run_case(case, plan.comparisons, device=device)))
+
+
+def _is_contract_only(violation: Violation) -> bool:
+    dtype_only = violation.metric == "bitwise" and str(violation.value).startswith("dtype")
+    return violation.metric == "contract" or dtype_only
 
 
 # ---- the localization ---------------------------------------------------------------------------------
@@ -193,51 +121,49 @@ class Localization:
     evidence: list[str] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     error: str | None = None
+    method: str | None = None  # "recorded calls" | "behaviour" | "contract" | "crash"
+    diagnosis: list[dict] = field(default_factory=list)  # the stage findings, structured
+    crash: dict | None = None  # {message, trigger}: a crash found beside the numbers diagnosed
+    diagnosed_case: Case | None = None
 
     def to_json(self) -> dict:
         return dict(verdict=self.verdict, impl=self.plan.candidate.name, reference=self.plan.reference.name,
                     device=self.device, gemm=self.gemm, first=self.first, operand=self.operand,
                     category=self.category, trigger=self.trigger,
                     minimal_case=None if self.minimal_case is None else self.minimal_case.id,
-                    evidence=self.evidence, error=self.error, env=environment(self.device))
-
-
-NUMERIC_METRICS = ("bitwise", "accumulation_bound", "sqnr_db", "paired_sqnr_db", "nonfinite")
-
-
-def _is_contract_only(violation: Violation) -> bool:
-    dtype_only = violation.metric == "bitwise" and str(violation.value).startswith("dtype")
-    return violation.metric == "contract" or dtype_only
-
-
-def _fails(plan: CheckPlan, case: Case, device: str) -> bool:
-    rows = run_case(case, plan.comparisons, device=device)
-    return bool(plan.judge(rows))
+                    evidence=self.evidence, error=self.error, method=self.method, diagnosis=self.diagnosis,
+                    crash=self.crash, recipe=self.plan.candidate.recipe.name,
+                    diagnosed_case=None if self.diagnosed_case is None else self.diagnosed_case.id,
+                    env=environment(self.device))
 
 
 def _call_differences(candidate: Sequence[ScaledMMCall], reference: Sequence[ScaledMMCall], reference_name: str):
     """Evidence lines: a candidate call whose dtypes, layouts, scales or flags differ from the
     reference's call for the same GEMM, and calls that would fail on an H100."""
-    def layout(shape, stride):
+    def layout(stride):
         return "row-major" if stride[1] == 1 else "column-major" if stride[0] == 1 else f"strides {stride}"
     lines = []
-    theirs = {call.gemm: call for call in reference}
+    theirs = {(call.step, call.gemm): call for call in reference}
     for call in candidate:
-        for problem in sm90_violations(call):
+        for _, problem in sm90_problems(call):
             lines.append(f"_scaled_mm {call.gemm} GEMM: {problem}")
-        other = theirs.get(call.gemm)
+        other = theirs.get((call.step, call.gemm))
         if other is None:
             continue
         for label, mine, ref in (
                 ("A dtype", call.a_dtype, other.a_dtype), ("B dtype", call.b_dtype, other.b_dtype),
-                ("A layout", layout(call.a_shape, call.a_stride), layout(other.a_shape, other.a_stride)),
-                ("B layout", layout(call.b_shape, call.b_stride), layout(other.b_shape, other.b_stride)),
+                ("A layout", layout(call.a_stride), layout(other.a_stride)),
+                ("B layout", layout(call.b_stride), layout(other.b_stride)),
                 ("scale shapes", (call.scale_a[0], call.scale_b[0]), (other.scale_a[0], other.scale_b[0])),
-                ("out_dtype", call.out_dtype, other.out_dtype), ("use_fast_accum", call.use_fast_accum,
-                                                                 other.use_fast_accum)):
+                ("out_dtype", call.out_dtype, other.out_dtype),
+                ("use_fast_accum", call.use_fast_accum, other.use_fast_accum)):
             if mine != ref:
                 lines.append(f"_scaled_mm {call.gemm} GEMM: {label} {mine} where {reference_name} uses {ref}")
     return lines
+
+
+def _gemm_order(name: str) -> int:
+    return (*GEMMS, "grad_bias").index(name) if name in (*GEMMS, "grad_bias") else 9
 
 
 def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, max_examples: int = 100,
@@ -249,55 +175,221 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     if found.verdict != "fail":
         return result
     case = found.minimal_case
-    violations = found.violations
-    for label, operand, undone in _undo_conditions(case):
-        if not _fails(plan, undone, device):
+    base = Outcome(found.violations)
+    result.violations = base.violations
+
+    # 1. triggers, by flipping one condition at a time (the crash's apart from the numbers')
+    crash_triggers, running = [], []
+    for label, operand, flipped in _conditions(case):
+        outcome = _outcome(plan, flipped, device)
+        if not outcome.fails:
             result.trigger.append(label)
             result.trigger_operands.append(operand)
-    # With M, K, N not all distinct the shapes of a _scaled_mm call cannot say which backward
-    # GEMM it is: analyse a distinct-dims twin of the case when it fails too.
-    if len({case.M, case.K, case.N}) < 3 and "only when K == N" not in result.trigger:
-        twin = case.replace(lead=(16,), K=32, N=48)
-        twin_rows = run_case(twin, plan.comparisons, device=device)
-        if plan.judge(twin_rows):
-            result.evidence.append(f"analysed on {twin.id} (M, K, N distinct, so each GEMM's call is named)")
-            case, violations = twin, plan.judge(twin_rows)
-    result.violations = violations
-    step = min(v.step for v in violations)
+        elif base.crashed and not outcome.crashed:
+            crash_triggers.append(label)
+            running.append((flipped, outcome))
+    numeric_case, numeric = case, base
+    if base.crashed:
+        with_numbers = [(c, o) for c, o in running if o.numeric]
+        if with_numbers:
+            numeric_case, numeric = with_numbers[0]
+            result.crash = dict(message=next(v.message for v in base.violations if v.metric == "crash"),
+                                trigger=crash_triggers)
+            result.trigger = [t for t in result.trigger if t not in crash_triggers]
+    # With M, K, N not all distinct the shapes of a _scaled_mm call cannot say which backward GEMM
+    # it is: diagnose a distinct-dims twin of the case when it fails the same way.
+    if len({numeric_case.M, numeric_case.K, numeric_case.N}) < 3 and "only when K == N" not in result.trigger:
+        unit = plan.alignment
+        twin = numeric_case.replace(lead=(unit,), K=2 * unit, N=3 * unit)
+        twin_outcome = _outcome(plan, twin, device)
+        if twin_outcome.fails and twin_outcome.crashed == numeric.crashed:
+            numeric_case, numeric = twin, twin_outcome
+    result.diagnosed_case = numeric_case
+    if numeric_case != case:
+        result.evidence.append(f"diagnosed on {numeric_case.id}")
 
-    crashes = [v for v in violations if v.metric == "crash"]
-    numeric = [v for v in violations if v.metric in NUMERIC_METRICS and not _is_contract_only(v)]
-    diverging = {v.tensor for v in numeric}
-    result.gemm = [t for t in (*GEMMS, "grad_bias") if t in diverging]
-    scaled_mm = [v for v in violations if v.metric == "scaled_mm_contract"]
-    if crashes:
-        where = str(crashes[0].value)
-        result.gemm = ["output"] if ": forward:" in where or "building" in where else ["grad_input", "grad_weight"]
-    elif not result.gemm:
-        result.gemm = [t for t in GEMMS if any(v.tensor == t for v in violations)]
-    result.first = result.gemm[0] if result.gemm else None
-
-    if scaled_mm and not numeric and not crashes:
-        result.trigger.append("only on the GPU (cuBLASLt rejects the call; the CPU runs it)")
-    elif device == "cuda" and not _fails(plan, case, "cpu"):
+    # 2. the diagnosis along the data path
+    _diagnose(result, plan, numeric_case, numeric, device)
+    if device == "cuda" and not _outcome(plan, case, "cpu").fails:
         result.trigger.append("only on the GPU")
+    return result
 
+
+def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> None:
+    candidate, recipe = plan.candidate, plan.candidate.recipe
     data = make_data(case, device)
-    execution = execute(plan.candidate, data, record=True, keep_data=True)
-    stages = call_findings(execution.calls, emulated_steps_of(data.on_host() if device != "cpu" else data,
-                                                             plan.candidate.recipe), plan.candidate.recipe) \
-        if plan.candidate.recipe.is_fp8 and not execution.error else []
-    reference_run = execute(plan.reference, data, record=not plan.reference.is_reference)
-    result.evidence += [f"{v.metric}: {v.full_message}" for v in violations[:6] if v.metric != "scaled_mm_contract"]
+    host = data.on_host()
+    execution = execute(candidate, data, record=True, keep_data=True)
+    numeric = outcome.numeric
+    diverging = sorted({v.tensor for v in numeric}, key=_gemm_order)
+    crashes = [v for v in outcome.violations if v.metric == "crash"]
+    problems = [(call, role, message) for call in execution.calls for role, message in sm90_problems(call)]
+    findings: list[Finding] = []
+    matches: list[Match] = []
+    fp8 = recipe.is_fp8 and not candidate.exact
+    if fp8 and execution.calls:
+        findings = call_findings(execution.calls, host.steps, recipe, case)
+        result.method = "recorded calls"
+    # GEMMs whose calls are the recipe's but whose results are not: the result stage
+    bounded = {(v.step, v.tensor) for v in numeric if v.metric in ("accumulation_bound", "nonfinite")}
+    flagged = {(f.step, f.gemm) for f in findings}
+    for step_index, gemm in sorted(bounded, key=lambda k: (k[0], _gemm_order(k[1]))):
+        if gemm not in GEMMS or (step_index, gemm) in flagged or step_index >= len(execution.steps) \
+                or not any(step_index == c.step and gemm in c.gemm.split("|") for c in execution.calls):
+            continue
+        got_result = execution.steps[step_index][gemm]
+        exact = getattr(emulated_steps_of(host, recipe)[step_index], gemm)
+        explained = None if got_result is None else explain_result(got_result, exact, case, gemm, recipe,
+                                                                    bias=host.bias if gemm == "output" else None)
+        if explained is not None:
+            findings.append(Finding(step_index, gemm, "result", "result",
+                                    f"{explained[1]} (every recorded operand is the recipe's)", explained[0]))
+    # GEMMs of the case that made no call: by behaviour, where their results diverge
+    called = {g for call in execution.calls for g in call.gemm.split("|")}
+    uncalled = [g for g in diverging if g in GEMMS and g not in called]
+    steps_done = [i for i in range(len(execution.steps))]
+    step = min((v.step for v in numeric), default=0)
+    got = {}
+    if step in steps_done:
+        got = {g: execution.steps[step][g].detach().cpu() for g in uncalled if execution.steps[step][g] is not None}
+    elif execution.forward_outputs and "output" in uncalled and step < len(execution.forward_outputs):
+        got = {"output": execution.forward_outputs[step].detach().cpu()}
+    if fp8 and got:
+        matches = diagnose_behaviour(got, step, host.steps, case, recipe, list(got), bias=host.bias,
+                                     strided=strides_ignored(host.steps[step], case))
+        result.method = result.method or "behaviour"
+    if fp8 and not execution.calls and got:
+        hp_db, fp8_db = high_precision_closeness(got, host.steps[step], case, recipe)
+        result.evidence.append(f"no _scaled_mm call was recorded: its results are {hp_db:.1f} dB from the exact "
+                               f"high-precision product and {fp8_db:.1f} dB from the exact {recipe.name} FP8 result")
+        if hp_db >= MATCH_DB and hp_db >= fp8_db + 10:
+            findings.append(Finding(step, diverging[0], "result", "calls",
+                                    f"no _scaled_mm call was recorded and the results are those of a high-precision "
+                                    f"layer ({hp_db:.1f} dB from it): this does not run the {recipe.name} recipe in "
+                                    f"FP8", "precision"))
+
+    # the GEMMs to blame: diverging tensors, then GEMMs with findings
+    gemms = list(diverging) or sorted({f.gemm for f in findings} | {m.gemm for m in matches}, key=_gemm_order)
+    if crashes and not numeric:
+        gemms = _crash_gemms(crashes[0], execution, recipe)
+        result.method = "crash"
+    if not gemms:
+        gemms = sorted({v.tensor for v in outcome.violations if v.tensor in GEMMS}, key=_gemm_order)
+    if not gemms and problems:
+        gemms = sorted({g for call, _, _ in problems for g in call.gemm.split("|") if g in GEMMS}, key=_gemm_order)
+    result.gemm, result.first = gemms, gemms[0] if gemms else None
+    result.category, result.operand = _classify(result, outcome, findings, matches, problems, crashes, case,
+                                                recipe, execution, host)
+    result.diagnosis = [dict(step=f.step, gemm=f.gemm, operand=f.operand, stage=f.stage, category=f.category,
+                             message=f.message) for f in findings] + \
+                       [dict(step=step, gemm=m.gemm, operand=m.operand, stage="behaviour", category=m.category,
+                             message=f"matches the exact emulation with {m.description} ({m.db:.1f} dB; the correct "
+                                     f"emulation: {m.correct_db:.1f} dB)") for m in matches]
+    _evidence(result, plan, case, outcome, findings, matches, execution, data)
+
+
+def _crash_gemms(crash: Violation, execution, recipe) -> list[str]:
+    """The GEMM a crash happened in: the forward's; in the backward, the first backward GEMM that
+    made no recorded call (the calls made before the crash are the GEMMs that ran)."""
+    where = str(crash.value)
+    if ": forward:" in where or "building" in where:
+        return ["output"]
+    done = {g for call in execution.calls if call.phase == "backward" for g in call.gemm.split("|")}
+    pending = [g for g in ("grad_input", "grad_weight") if g not in done and not recipe.gemm(g).high_precision]
+    return pending[:1] or ["grad_weight" if recipe.gemm("grad_weight").high_precision else "grad_input"]
+
+
+def _first_operand(gemms: Sequence[str]) -> str:
+    """The operand a pattern of diverging GEMMs shares (one GEMM: its result)."""
+    gemms = [g for g in gemms if g in GEMMS]
+    if len(gemms) == 1:
+        return "result"
+    shared = set(OPERANDS[gemms[0]]).intersection(*(OPERANDS[g] for g in gemms[1:])) if gemms else set()
+    return shared.pop() if len(shared) == 1 else "unknown"
+
+
+def _classify(result: Localization, outcome: Outcome, findings: list[Finding], matches: list[Match], problems,
+              crashes, case: Case, recipe, execution, host) -> tuple[str, str]:
+    """(category, operand) from the evidence, the first GEMM and stage that differ first."""
+    triggers = result.trigger
+    numeric = outcome.numeric
+    stale = "only from the second call" in triggers
+    layout_operand = next((op for op, t in zip(result.trigger_operands, triggers)
+                           if t.startswith("only with non-contiguous")), None)
+    ordered = sorted(findings, key=lambda f: (f.step, _gemm_order(f.gemm), STAGE_ORDER.index(f.stage)
+                                              if f.stage in STAGE_ORDER else 9))
+    explained = [f for f in ordered if f.category]
+    if crashes and not numeric:
+        if explained:  # the GEMMs that ran before the crash were already handed the wrong operands
+            result.crash = dict(message=crashes[0].message, trigger=[t for t in triggers])
+            result.gemm = sorted({f.gemm for f in explained}, key=_gemm_order)
+            result.first = result.gemm[0]
+            return explained[0].category, explained[0].operand
+        named = [op for op in result.trigger_operands if op]
+        return "crash", named[0] if named else ("input" if result.first == "output" else "grad_output")
+    if explained:
+        first = explained[0]
+        if stale and first.category not in ("stale_state",) and not any(f.category == "stale_state"
+                                                                          for f in explained):
+            return "stale_state", _first_operand(result.gemm)
+        stale_finding = next((f for f in explained if f.category == "stale_state"), None)
+        first = stale_finding or first
+        return first.category, first.operand
+    if matches:
+        first = sorted(matches, key=lambda m: _gemm_order(m.gemm))[0]
+        return first.category, first.operand
+    if ordered:  # differences no single mistake explains: the stage says where, the triggers what
+        first = ordered[0]
+        if stale:
+            return "stale_state", first.operand
+        if layout_operand:
+            return "layout", layout_operand
+        return ("scale" if first.stage == "scale" else "unknown"), first.operand
+    if problems and not numeric:
+        call, role, _ = problems[0]
+        gemm = next((g for g in call.gemm.split("|") if g in GEMMS), "output")
+        return "layout", OPERANDS[gemm][0 if role == "a" else 1] if role in "ab" else "result"
+    if not numeric:
+        return "contract", "result"
+    if stale:
+        return "stale_state", _first_operand(result.gemm)
+    if layout_operand:
+        return "layout", layout_operand
+    # every recorded call is the recipe's and no transform of the result explains it: rounding only?
+    if not any(v.metric in ("accumulation_bound", "nonfinite") for v in numeric):
+        result.evidence.append("every stage of the recorded calls equals the oracle's and the results lie within "
+                               "the accumulation bound of the exact result: a rounding-level difference")
+        return "accumulation", "result"
+    if any(v.metric == "nonfinite" for v in numeric):
+        return "saturation", _first_operand(result.gemm)
+    result.evidence.append("unexplained: compared and equal: " + (
+        "the fp8 formats, scales and values of every recorded call; " if execution.calls else "") +
+        "no hypothesis of the space (operand and result mistakes) reproduces the results")
+    return "unknown", _first_operand(result.gemm)
+
+
+def _evidence(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, findings, matches, execution,
+              data) -> None:
+    result.evidence += [f"{v.metric}: {v.full_message}" for v in outcome.violations[:6]
+                        if v.metric not in ("scaled_mm_contract", "operand")]
+    result.evidence += [f"stage {f.stage}: {f}" for f in findings[:8]]
+    result.evidence += [f"behaviour: {m.gemm}: matches the exact emulation with {m.description} ({m.db:.1f} dB; "
+                        f"the correct emulation: {m.correct_db:.1f} dB)" for m in matches]
+    if result.crash:
+        result.evidence.append(f"crash: {result.crash['message']} "
+                               f"({'; '.join(result.crash['trigger']) or 'on the minimal case'})")
+    reference_run = execute(plan.reference, data, record=plan.reference.recipe.is_fp8)
     result.evidence += _call_differences(execution.calls, reference_run.calls, plan.reference.name)
     result.evidence += [f"recorded call: {call.describe()}" for call in execution.calls
-                        if set(call.gemm.split("|")) & set(result.gemm)]
+                        if set(call.gemm.split("|")) & set(result.gemm)][:6]
+    if execution.error:
+        return
     for relation in RELATIONS:
         if relation.applies(case):
-            outcome = check_relation(relation, plan.candidate, data, base=execution)
-            if not outcome.holds:
+            outcome_ = check_relation(relation, plan.candidate, data, base=execution)
+            if not outcome_.holds:
                 result.evidence.append(f"relation {relation.name} fails ({relation.description}): "
-                                       f"{outcome.error or '; '.join(outcome.broken[:2])}")
+                                       f"{outcome_.error or '; '.join(outcome_.broken[:2])}")
     contiguous = (Layout.CONTIGUOUS,) * 3
     layouts = (case.input_layout, case.weight_layout, case.grad_output_layout)
     other_layouts = contiguous if layouts != contiguous else (Layout.TRANSPOSED,) * 3
@@ -310,65 +402,6 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
         if not update.holds:
             result.evidence.append(f"relation weight_update fails: {update.error or '; '.join(update.broken[:2])}")
 
-    oracle = None
-    numeric_gemms = [t for t in result.gemm if t in GEMMS and t in diverging]
-    if numeric_gemms and not execution.error and len(execution.steps) > step:
-        got = {t: execution.steps[step][t] for t in numeric_gemms}
-        oracle, best_db, correct_db = nearest_wrong_oracle(case, data.steps, step, got, numeric_gemms)
-        if oracle is not None:
-            result.evidence.append(f"matches the exact FP8 emulation with {oracle.description} "
-                                   f"({best_db:.1f} dB; the correct emulation: {correct_db:.1f} dB)")
-        else:
-            result.evidence.append(f"no wrong oracle matches (closest {best_db:.1f} dB); the correct emulation "
-                                   f"is {correct_db:.1f} dB away")
-        result.category, result.operand = _classify(result, crashes, numeric, scaled_mm, oracle, correct_db, stages)
-    else:
-        result.category, result.operand = _classify(result, crashes, numeric, scaled_mm, None, None, stages)
-    return result
-
-
-def _operand_of_pattern(gemms: Sequence[str]) -> str:
-    gemms = [g for g in gemms if g in GEMMS]
-    if len(gemms) == 1:
-        return "result"
-    shared = set(OPERANDS_OF[gemms[0]]).intersection(*(OPERANDS_OF[g] for g in gemms[1:])) if gemms else set()
-    return shared.pop() if len(shared) == 1 else "unknown"
-
-
-STAGE_CLASSES = {"fast_accum": "accumulation", "fp8_dtype": "fp8_dtype", "scale": "scale"}
-
-
-def _classify(result: Localization, crashes, numeric, scaled_mm, oracle: WrongOracle | None,
-              correct_db: float | None, stages=()) -> tuple[str, str]:
-    """(category, operand) from the evidence, most specific first."""
-    triggers = result.trigger
-    if crashes:
-        named = [op for op in result.trigger_operands if op]
-        return "crash", named[0] if named else ("input" if result.first == "output" else "grad_output")
-    staged = [f for f in stages if f.stage in STAGE_CLASSES]
-    if not numeric and staged:  # only the recorded calls differ from the recipe's: the first stage says what
-        return STAGE_CLASSES[staged[0].stage], "result" if staged[0].operand == "call" else staged[0].operand
-    if not numeric and scaled_mm:
-        problem = str(scaled_mm[0].value)
-        gemm = result.first or "output"
-        a, b = OPERANDS_OF.get(gemm, ("unknown", "unknown"))
-        return "layout", (b if "H100: B" in problem else a if "H100: A" in problem else "unknown")
-    if not numeric:
-        return "contract", "result"
-    if any(t == "only from the second call" for t in triggers):
-        return "stale_state", _operand_of_pattern(result.gemm)
-    layout_operand = next((op for op in ("input", "weight", "grad_output")
-                           if any(t.startswith(f"only with non-contiguous {op}") for t in triggers)), None)
-    if layout_operand:
-        return "layout", layout_operand
-    if oracle is not None:
-        return oracle.category, oracle.operand
-    if correct_db is not None and correct_db >= MATCH_DB:
-        return "accumulation", "result"
-    if any(v.metric == "nonfinite" for v in numeric):
-        return "saturation", _operand_of_pattern(result.gemm)
-    return "unknown", _operand_of_pattern(result.gemm)
-
 
 def render(result: Localization) -> str:
     plan = result.plan
@@ -378,12 +411,16 @@ def render(result: Localization) -> str:
     if result.verdict == "error":
         return f"ERROR: {result.error}\n"
     lines = [
-        f"FAIL: {plan.candidate.name} against {plan.reference.name} on {result.device}",
+        f"FAIL: {plan.candidate.name} ({plan.candidate.recipe.name} recipe) against {plan.reference.name} on "
+        f"{result.device}",
         f"  minimal case : {result.minimal_case.id}",
         f"  GEMM         : {', '.join(result.gemm)} (first: {result.first})",
         f"  operand      : {result.operand}",
         f"  bug class    : {result.category}",
         f"  trigger      : {'; '.join(result.trigger) or 'none: shows on the simplest case'}",
+        *([f"  also        : a crash ({result.crash['message']}), "
+           f"{'; '.join(result.crash['trigger']) or 'on the minimal case'}"] if result.crash else []),
+        f"  diagnosed by : {result.method or 'the violations'}",
         "  evidence:",
         *[f"    - {line}" for line in result.evidence],
         "",
@@ -391,4 +428,6 @@ def render(result: Localization) -> str:
         f"{result.device} --case '{result.minimal_case.id}'",
     ]
     return "\n".join(lines) + "\n"
+
+
 

@@ -225,6 +225,20 @@ def _scale_violations(call: ScaledMMCall, M: int, K: int, N: int) -> list[str]:
 def sm90_violations(call: ScaledMMCall) -> list[str]:
     """What goes wrong with this call on an H100/H200 ("would fail on H100: ..."); empty if
     nothing. Each rule was seen raising on an H200 (torch 2.11, `python .ci/probe_scaled_mm.py`)."""
+    return [message for _, message in sm90_problems(call)]
+
+
+def sm90_problems(call: ScaledMMCall) -> list[tuple[str, str]]:
+    """sm90_violations with the operand each rule is about: ("a" | "b" | "call", message)."""
+    def about(message: str) -> str:
+        text = message.removeprefix("would fail on H100: ")
+        return "a" if text.startswith(("A ", "A's", "1x128 scales of A")) else \
+            "b" if text.startswith(("B ", "B's", "B.size", "N (B", "128x128 scales of B", "1x128 scales of B")) \
+            else "call"
+    return [(about(message), message) for message in _sm90_messages(call)]
+
+
+def _sm90_messages(call: ScaledMMCall) -> list[str]:
     fail = "would fail on H100: "
     if len(call.a_shape) != 2 or len(call.b_shape) != 2:
         return [f"{fail}_scaled_mm takes 2-D operands, got A {call.a_shape} and B {call.b_shape}"]

@@ -1,46 +1,211 @@
-"""The candidate's recorded GEMM calls against the calls its recipe's oracle expects, stage by stage.
+"""Diagnosis along the data path: what each GEMM was handed, against what its recipe's oracle hands it.
 
-For every FP8 GEMM of a recipe the exact oracle (parity.oracles) knows which operands the GEMM
-must be handed: the fp8 bytes of A and B and their inverse scales. A recorded _scaled_mm call
-(parity.contract, with its tensors kept) is compared with that, bitwise and per operand:
+For every FP8 GEMM of a recipe the exact oracle (parity.oracles) knows the operands the GEMM
+must receive: the fp8 values of A and B and their inverse scales. A recorded _scaled_mm call
+(parity.contract, with its tensors kept) is compared with that, stage by stage, per operand:
 
     fp8_dtype   the operand's fp8 format
-    bytes       the fp8 values (logical values: a transposed copy is the same operand)
     scale       the inverse scale of every element (tensor, row, tile or block scales alike)
+    bytes       the fp8 values (logical values: a transposed copy is the same operand)
     fast_accum  the use_fast_accum flag (a CPU ignores it; the H100 does not)
+    result      what the implementation does with the GEMM's result (rescaling, dtype, bias)
 
-and a GEMM the recipe runs in high precision must not be an FP8 call. A difference names the
-GEMM, the operand and the stage; agreement everywhere means any remaining difference in the
-results lies in accumulation or in what happens to the result after the GEMM.
+The first stage that differs names the operand and, through the hypothesis that reproduces
+the recorded operand exactly, the bug class. Hypotheses are composed, not listed: every
+operand of every GEMM is tried against the same space of mistakes (another fp8 format; amax
+without abs, over another region or without its floor; a scale rounded, not inverted, not
+rounded to a power of two or aimed at another max; a clamp at another bound; the operand
+transposed, reshaped, read with the wrong strides or taken from the previous call), and every
+result against rescaling, transposition, another rounding and the bias. An operand that
+differs but matches none is reported as such, with the stages that agree.
+
+Implementations whose GEMMs make no _scaled_mm call (their own kernels, fp8_impl's blockwise
+on a CPU, a plain bf16 layer) are diagnosed by behaviour: the same hypotheses emulated end to
+end and compared with the implementation's results; the nearest one names the bug when it
+matches closely and clearly better than the correct emulation (ties go to the correct one).
+
+Bug classes (the vocabulary of bisect): transpose, layout, scale, fp8_dtype, saturation,
+accumulation, contract, stale_state, crash, and precision (a GEMM that runs in another precision
+than its recipe says: no FP8 call where the recipe has one, or an FP8 one where it has none).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from parity import oracles
+from parity.cases import Case, Layout
 from parity.contract import ScaledMMCall
-from parity.oracles import EmulatedStep, Quantized
-from parity.recipes import GEMMS, Gemm, Recipe
+from parity.data import StepData, materialize
+from parity.metrics import compare
+from parity.oracles import Quantized
+from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe
 
-BLOCK = 128
+MATCH_DB = 45.0  # a hypothesis "matches" results above this SQNR: quantization-level bugs sit near 25-30 dB
+MARGIN_DB = 10.0  # ... and only when it is this much closer than the correct emulation (ties: the correct one)
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One difference between a recorded call and the oracle's (or a missing / extra call)."""
+    """One difference between what a GEMM got and what its recipe's oracle gives it."""
 
     step: int
     gemm: str  # output | grad_input | grad_weight
-    operand: str  # input | weight | grad_output | call
-    stage: str  # fp8_dtype | bytes | scale | fast_accum | precision
+    operand: str  # input | weight | grad_output | result | call
+    stage: str  # calls | fp8_dtype | scale | bytes | fast_accum | precision | result
     message: str
+    category: str = ""  # the bug class this stage's explanation names ("" when unexplained)
 
     def __str__(self) -> str:
         return f"{self.gemm} GEMM (step {self.step}): {self.message}"
 
+
+# ---- the space of mistakes ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One mistake in casting one operand: quantize() overrides and where the values come from."""
+
+    category: str
+    description: str
+    options: dict = field(default_factory=dict)
+    source: str = "same"  # same | transposed | reshaped | previous | strides_ignored
+
+
+def _regions(rows: int, inner: int) -> list[tuple[str, tuple[int, int]]]:
+    regions = [("the whole operand", (rows, inner)), ("each row along the inner dim", (1, inner)),
+               ("each column (across the inner dim)", (rows, 1))]
+    if inner % BLOCK == 0:
+        regions.append(("each 1x128 tile", (1, BLOCK)))
+    if rows % BLOCK == 0:
+        regions.append(("each 128x1 tile (across the inner dim)", (BLOCK, 1)))
+    if rows % BLOCK == 0 and inner % BLOCK == 0:
+        regions.append(("each 128x128 block", (BLOCK, BLOCK)))
+    return regions
+
+
+def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> list[Hypothesis]:
+    """Every mistake tried on an operand cast with `cast` under `recipe`, laid out [rows, inner]."""
+    other = "e5m2" if cast.fp8 == "e4m3" else "e4m3"
+    own_tile = cast.scaling.tile(rows, inner)
+    hypotheses = [
+        Hypothesis("fp8_dtype", f"cast to {other} instead of {cast.fp8}", {"cast": Cast(cast.scaling, other)}),
+        Hypothesis("scale", "amax = max(x) instead of max(|x|)", {"absolute_amax": False}),
+        Hypothesis("scale", "its scale rounded to bfloat16", {"scale_dtype": torch.bfloat16}),
+        Hypothesis("scale", "the GEMM handed its scale instead of the inverse", {"inverse_scale": False}),
+        Hypothesis("scale", "scales not rounded down to a power of two" if recipe.pow2_scales else
+                   "scales rounded down to a power of two", {"pow2": not recipe.pow2_scales}),
+        Hypothesis("scale", "no floor under amax: an all-zero group gets an infinite scale", {"eps": 0.0}),
+        *(Hypothesis("scale", f"amax over {region} instead of {_region_name(own_tile, rows, inner)}",
+                     {"tile": tile}) for region, tile in _regions(rows, inner) if tile != own_tile),
+        Hypothesis("transpose", "the operand transposed (read the other way round)", source="transposed"),
+        Hypothesis("transpose", "the operand reinterpreted with reshape instead of a transpose", source="reshaped"),
+        Hypothesis("stale_state", "the operand of the previous call (a stale cache)", source="previous"),
+        *(Hypothesis("scale", description, {"grid": grid}) for grid, description in (
+            ("transposed", "its grid of scales transposed"),
+            ("reshaped", "its grid of scales reshaped instead of transposed"),
+            ("padding_first", "its scales read from a grid padded to 4 along the inner dim with the padding "
+                              "first: padding bytes consumed as scales"))),
+        Hypothesis("layout", "the operand read as if contiguous from non-contiguous memory",
+                   source="strides_ignored"),
+    ]
+    if cast.fp8 == "e4m3":
+        hypotheses += [
+            Hypothesis("saturation", "scaled to e5m2's max (57344) and saturated at e4m3's 448",
+                       {"target_max": 57344.0}),
+            Hypothesis("saturation", "clamped at 240 (e4m3fnuz's max) instead of 448", {"clamp_max": 240.0}),
+            Hypothesis("scale", "scaled to 240 (e4m3fnuz's max) instead of 448", {"target_max": 240.0}),
+        ]
+    else:
+        hypotheses += [
+            Hypothesis("saturation", "clamped at e4m3's 448 instead of e5m2's 57344", {"clamp_max": 448.0}),
+            Hypothesis("saturation", "scaled to e4m3's max (448) instead of e5m2's", {"target_max": 448.0}),
+        ]
+    return hypotheses
+
+
+def _region_name(tile: tuple[int, int], rows: int, inner: int) -> str:
+    return next((name for name, t in _regions(rows, inner) if t == tile), f"{tile[0]}x{tile[1]} tiles")
+
+
+def _quantize(source: torch.Tensor, cast: Cast, recipe: Recipe, options: dict) -> Quantized | None:
+    options = dict(options)
+    grid = options.pop("grid", None)
+    try:
+        q = oracles.quantize(source, options.pop("cast", cast), pow2=options.pop("pow2", recipe.pow2_scales),
+                             **options)
+    except RuntimeError:  # a tile that does not divide this operand
+        return None
+    return q if grid is None else _misread_grid(q, grid)
+
+
+def _misread_grid(q: Quantized, how: str) -> Quantized | None:
+    """The same fp8 values with their grid of inverse scales [rows / r, inner / i] misread."""
+    g = q.inv_scale
+    rows, cols = g.shape
+    if rows * cols == 1 or (how == "transposed" and rows != cols) or (how == "reshaped" and rows == cols):
+        return None
+    if how == "transposed":
+        g = g.t()
+    elif how == "reshaped":  # the grid in its transposed (GEMM) layout, reshaped instead of transposed back
+        g = g.reshape(cols, rows).t()
+    else:  # padding_first: the inner-dim blocks padded to a multiple of 4 with ones in front, the first read
+        pad = -cols % 4
+        if not pad:
+            return None
+        g = torch.cat([g.new_ones(rows, pad), g], dim=1)[:, :cols]
+    return Quantized(q.values, g.contiguous(), q.tile, q.fp8_dtype)
+
+
+# ---- what a GEMM's operands are, from the data -------------------------------------------------
+
+@dataclass
+class OperandSources:
+    """Where an operand's values can come from: the step's tensors and the alternatives the
+    hypotheses need (the previous call's, the case's memory read with contiguous strides)."""
+
+    step: StepData
+    previous: StepData | None = None
+    strided: StepData | None = None  # each non-contiguous operand read as if contiguous (None: all are)
+
+    def view(self, gemm: str, role: str, source: str) -> torch.Tensor | None:
+        base = {"same": self.step, "previous": self.previous, "strides_ignored": self.strided,
+                "transposed": self.step, "reshaped": self.step}[source]
+        if base is None:
+            return None
+        K, N = base.input.shape[-1], base.weight.shape[0]
+        views = oracles.operand_views(base.input.reshape(-1, K), base.weight, base.grad_output.reshape(-1, N))
+        operand = views[gemm][0 if role == "a" else 1]
+        rows, inner = operand.shape
+        if source == "transposed":
+            return operand.t() if rows == inner else None
+        if source == "reshaped":
+            return operand.reshape(inner, rows).t() if rows != inner else None
+        return operand
+
+
+def strides_ignored(step: StepData, case: Case) -> StepData | None:
+    """The step's tensors as an implementation that ignores strides reads them from the case's
+    memory layouts (as_strided with contiguous strides over the same storage); None when every
+    operand is contiguous."""
+    layouts = (case.input_layout, case.weight_layout, case.grad_output_layout)
+    if all(layout is Layout.CONTIGUOUS for layout in layouts):
+        return None
+
+    def read(values: torch.Tensor, layout: Layout) -> torch.Tensor:
+        stored = materialize(values, layout)
+        strides = [1] * stored.dim()
+        for i in range(stored.dim() - 2, -1, -1):
+            strides[i] = strides[i + 1] * stored.shape[i + 1]
+        return torch.as_strided(stored, stored.shape, strides).clone()
+    return StepData(read(step.input, layouts[0]), read(step.weight, layouts[1]), read(step.grad_output, layouts[2]))
+
+
+# ---- one operand of one recorded call ------------------------------------------------------------
 
 def _expanded(scale: torch.Tensor, rows: int, inner: int) -> torch.Tensor:
     """Scales [rows / r, inner / i] repeated to one per element [rows, inner]."""
@@ -66,6 +231,10 @@ def _call_scales(kind: str, scale: torch.Tensor, role: str, rows: int, inner: in
     return None
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple, float, float]:
     differ = ~((got == want) | (got.isnan() & want.isnan()))
     count = int(differ.sum())
@@ -75,8 +244,42 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple
     return count, index, float(got[index]), float(want[index])
 
 
-def compare_call(call: ScaledMMCall, spec: Gemm, qa: Quantized, qb: Quantized, recipe: Recipe) -> list[Finding]:
-    """How a recorded call for the GEMM `spec` differs from the oracle's operands (qa = A, qb = B.T)."""
+def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cast, recipe: Recipe,
+                    sources: OperandSources, gemm: str, role: str) -> tuple[str, str, str] | None:
+    """(stage, category, message) for an operand a GEMM got (fp8 values and per-element inverse
+    scales, laid out [rows, inner]) that is not the recipe's, or None when it is."""
+    rows, inner = values.shape
+    correct = _quantize(sources.view(gemm, role, "same"), cast, recipe, {})
+    want_scales = _expanded(correct.inv_scale.cpu(), rows, inner)
+    values_ok = _same(values, correct.values.cpu())
+    scales_ok = scales is not None and _same(scales, want_scales)
+    if values_ok and (scales_ok or scales is None):  # no scales to compare: the values decide
+        return None
+    for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
+        source = sources.view(gemm, role, hypothesis.source)
+        q = None if source is None or tuple(source.shape) != (rows, inner) else \
+            _quantize(source, cast, recipe, hypothesis.options)
+        if q is None:
+            continue
+        if _same(values, q.values.cpu()) and (scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows,
+                                                                                        inner))):
+            stage = "scale" if hypothesis.category == "scale" else "bytes"
+            return stage, hypothesis.category, hypothesis.description
+    if scales is None:
+        return "scale", "scale", "its scale tensor cannot be read as the recipe's scales (see the contract rules)"
+    if not scales_ok:
+        count, index, got, want = _first_difference(scales, want_scales)
+        return "scale", "", (f"its inverse scale differs from the oracle's for {count} of {scales.numel()} elements "
+                             f"(first at {list(index)}: {got:.6g}, oracle {want:.6g}, ratio "
+                             f"{got / want if want else float('nan'):.6g}); no single mistake reproduces it")
+    count, index, got, want = _first_difference(values, correct.values.cpu())
+    return "bytes", "", (f"its scales are the recipe's but its fp8 values differ in {count} of {values.numel()} "
+                         f"elements (first at {list(index)}: {got:g}, oracle {want:g}); no single mistake "
+                         f"reproduces them")
+
+
+def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: OperandSources) -> list[Finding]:
+    """How a recorded call for the GEMM `spec` differs from the recipe's, stage by stage."""
     out: list[Finding] = []
     data = call.data
     if data is None:
@@ -86,39 +289,29 @@ def compare_call(call: ScaledMMCall, spec: Gemm, qa: Quantized, qb: Quantized, r
     unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and not spec.fast_accum
                  and data.scale_a.numel() == 1 and data.scale_b.numel() == 1
                  and float(data.scale_a.reshape(())) == 1.0 and float(data.scale_b.reshape(())) == 1.0)
-    for role, operand, q, tensor, cast in (("a", spec.operands[0], qa, data.a, spec.a),
-                                           ("b", spec.operands[1], qb, data.b.t(), spec.b)):
-        def found(stage: str, message: str, operand=operand, side="A" if role == "a" else "B") -> None:
-            out.append(Finding(call.step, spec.name, operand, stage, f"{side} ({operand}) {message}"))
-        if tuple(tensor.shape) != tuple(q.values.shape):
-            found("bytes", f"has shape {list(tensor.shape)} where the oracle's is {list(q.values.shape)}")
+    for role, operand, tensor, cast in (("a", spec.operands[0], data.a, spec.a), ("b", spec.operands[1], data.b.t(),
+                                                                                  spec.b)):
+        side = "A" if role == "a" else "B"
+        want_dtype = FP8_DTYPES[cast.fp8]
+        if tensor.dtype != want_dtype:
+            name = str(tensor.dtype).replace("torch.", "")
+            category = "fp8_dtype" if tensor.dtype in FP8_DTYPES.values() else "precision"
+            out.append(Finding(call.step, spec.name, operand, "fp8_dtype", f"{side} ({operand}) is {name}; the "
+                               f"{recipe.name} recipe casts it to {cast.fp8}", category))
             continue
-        if tensor.dtype != q.fp8_dtype:
-            found("fp8_dtype", f"is {str(tensor.dtype).replace('torch.', '')}; the {recipe.name} recipe casts it "
-                               f"to {str(q.fp8_dtype).replace('torch.', '')}")
-            continue
-        count, index, got, want = _first_difference(tensor.detach().to(torch.float64).cpu(), q.values.cpu())
-        if count:
-            found("bytes", f"fp8 values differ from the {recipe.name} oracle's in {count} of {tensor.numel()} "
-                           f"elements (first at {list(index)}: {got:g}, oracle {want:g})")
+        rows, inner = tensor.shape
         kind = call.scaling[0 if role == "a" else 1] if call.scaling else "?"
-        scales = _call_scales(kind, data.scale_a if role == "a" else data.scale_b, role, *q.values.shape)
-        expected = _expanded(q.inv_scale.cpu(), *q.values.shape)
-        if scales is None:
-            shape = list(call.scale_a[0] if role == "a" else call.scale_b[0])
-            found("scale", f"scale {shape} ({kind}) cannot be read as {cast.scaling.value} scales of a "
-                           f"[{q.values.shape[0]}, {q.values.shape[1]}] operand")
-        elif not unit_form:
-            count, index, got, want = _first_difference(scales, expected)
-            if count:
-                ratio = got / want if want else float("nan")
-                found("scale", f"inverse scale differs from the {recipe.name} oracle's for {count} of "
-                               f"{scales.numel()} elements (first at {list(index)}: {got:.6g}, oracle {want:.6g}, "
-                               f"ratio {ratio:.6g})")
+        scales = None if unit_form else _call_scales(kind, data.scale_a if role == "a" else data.scale_b, role,
+                                                     rows, inner)
+        found = explain_operand(tensor.detach().to(torch.float64).cpu(), scales, cast, recipe, sources,
+                                spec.name, role)
+        if found is not None:
+            stage, category, message = found
+            out.append(Finding(call.step, spec.name, operand, stage, f"{side} ({operand}): {message}", category))
     if call.use_fast_accum != spec.fast_accum:
-        out.append(Finding(call.step, spec.name, "call", "fast_accum",
+        out.append(Finding(call.step, spec.name, "result", "fast_accum",
                            f"use_fast_accum={call.use_fast_accum} where the {recipe.name} recipe says "
-                           f"{spec.fast_accum}"))
+                           f"{spec.fast_accum}", "accumulation"))
     return out
 
 
@@ -134,18 +327,148 @@ def assign_calls(calls: Sequence[ScaledMMCall], step: int) -> dict[str, list[Sca
     return by_gemm
 
 
-def call_findings(calls: Sequence[ScaledMMCall], emulated: Sequence[EmulatedStep], recipe: Recipe) -> list[Finding]:
-    """Every difference between the recorded calls and the oracle's, for each step the oracle
-    emulated (its steps must have kept their operands). GEMMs without a recorded call are not
-    compared (an emulated or custom kernel makes none)."""
+def call_findings(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], recipe: Recipe,
+                  case: Case) -> list[Finding]:
+    """Every difference between the recorded calls and the recipe's, for every step of the case.
+    GEMMs without a recorded call are not compared here (see diagnose_behaviour)."""
     findings: list[Finding] = []
-    for step, exact in enumerate(emulated):
-        for gemm_name, recorded in assign_calls(calls, step).items():
+    for step_index, step in enumerate(steps):
+        sources = OperandSources(step, steps[step_index - 1] if step_index else None, strides_ignored(step, case))
+        for gemm_name, recorded in assign_calls(calls, step_index).items():
             spec = recipe.gemm(gemm_name)
             if spec.high_precision and recorded:
-                findings.append(Finding(step, gemm_name, "call", "precision",
+                findings.append(Finding(step_index, gemm_name, "call", "precision",
                                         f"an FP8 _scaled_mm call runs a GEMM the {recipe.name} recipe computes in "
-                                        f"high precision"))
-            elif recorded and gemm_name in exact.operands:
-                findings += compare_call(recorded[0], spec, *exact.operands[gemm_name], recipe)
+                                        f"high precision", "precision"))
+            elif recorded:
+                findings += compare_call(recorded[0], spec, recipe, sources)
     return findings
+
+
+# ---- what the implementation did with a GEMM's result ---------------------------------------------
+
+def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: str, recipe: Recipe, *,
+                   bias: torch.Tensor | None = None) -> tuple[str, str] | None:
+    """(category, message) when `got` is the exact GEMM result `exact` (float64) transformed after
+    the GEMM (rescaled, transposed, reshaped, rounded through another dtype, a bias twice or
+    dropped); None when no such transform reproduces it."""
+    got64 = got.detach().to(torch.float64).cpu().reshape(-1, got.shape[-1])
+    exact = exact.detach().to(torch.float64).cpu()
+    b = None if bias is None else bias.detach().to(torch.float64).cpu()
+
+    def rounded(value: torch.Tensor, chain=None) -> torch.Tensor:
+        for dtype in chain or oracles.rounding_chain(case, tensor, recipe):
+            value = value.to(dtype)
+        return value.to(torch.float64)
+
+    def with_bias(value: torch.Tensor, times: int = 1) -> torch.Tensor:
+        return value if b is None else value + times * b
+
+    def close(value: torch.Tensor) -> bool:
+        return value.shape == got64.shape and compare(got64, value)["sqnr_db"] >= MATCH_DB
+    ratio = float((got64.nan_to_num() * exact).sum() / (exact * exact).sum()) if exact.abs().sum() > 0 else 1.0
+    candidates = []
+    if math.isfinite(ratio) and abs(ratio - 1) > 1e-3 and ratio != 0:
+        factor, name = _nice_factor(ratio, case)
+        candidates.append(("scale", f"the result multiplied by {name} after its GEMM", with_bias(exact * factor)))
+    if exact.shape[0] == exact.shape[1]:
+        candidates.append(("transpose", "the result transposed", with_bias(exact.t())))
+    candidates.append(("transpose", "the result reshaped from the transposed product",
+                       with_bias(exact.t().contiguous().reshape(exact.shape))))
+    if b is not None:
+        candidates += [("contract", "the bias added twice", with_bias(exact, 2)),
+                       ("contract", "the bias dropped", exact)]
+    for category, message, value in candidates:
+        if close(rounded(value)):
+            return category, message
+    if bool((~torch.isfinite(got64) & torch.isfinite(rounded(with_bias(exact)))).any()):
+        return "saturation", "the result overflows its dtype where the exact result does not"
+    return None
+
+
+def _nice_factor(ratio: float, case: Case) -> tuple[float, str]:
+    """The factor a least-squares ratio estimates: a power of two or a GEMM dimension (or its
+    inverse) within 1%, else the ratio itself."""
+    nice = {f"2^{k}": 2.0 ** k for k in range(-24, 25)}
+    nice.update({"1/M": 1 / case.M, "1/K": 1 / case.K, "1/N": 1 / case.N, "M": case.M, "K": case.K, "N": case.N})
+    name, value = min(nice.items(), key=lambda item: abs(math.log(abs(ratio) / item[1])) if ratio else math.inf)
+    value = math.copysign(value, ratio)
+    if abs(ratio / value - 1) < 1e-2:
+        return value, f"{value:g} (= {'-' if ratio < 0 else ''}{name})"
+    return ratio, f"{ratio:.4g}"
+
+
+# ---- by behaviour: the same hypotheses, end to end ------------------------------------------------
+
+@dataclass(frozen=True)
+class Match:
+    gemm: str
+    operand: str  # input | weight | grad_output | result
+    category: str
+    description: str
+    db: float  # closeness of the hypothesis to the implementation's result
+    correct_db: float  # closeness of the correct emulation
+
+
+def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Sequence[StepData], case: Case,
+                       recipe: Recipe, gemms: Sequence[str], *, bias: torch.Tensor | None = None,
+                       strided: StepData | None = None) -> list[Match]:
+    """For each GEMM in `gemms` (its result in `got`), the hypothesis (one operand's mistake, or a
+    transform of the result) whose end-to-end emulation is closest to the implementation, when it
+    matches (>= MATCH_DB and >= MARGIN_DB closer than the correct emulation)."""
+    step = steps[step_index]
+    sources = OperandSources(step, steps[step_index - 1] if step_index else None, strided)
+    out = []
+    for gemm_name in gemms:
+        spec = recipe.gemm(gemm_name)
+        target = got[gemm_name]
+
+        def closeness(value: torch.Tensor, target=target, gemm_name=gemm_name) -> float:
+            value = value.cpu()
+            if gemm_name == "output" and bias is not None:
+                value = value + bias.to(torch.float64).cpu()
+            want = oracles.rounded_like_result(value, case, gemm_name, recipe).reshape(target.shape)
+            return compare(target.cpu(), want)["sqnr_db"]
+        a_hp, b_hp = sources.view(gemm_name, "a", "same"), sources.view(gemm_name, "b", "same")
+        qa, qb = _quantize(a_hp, spec.a, recipe, {}), _quantize(b_hp, spec.b, recipe, {})
+        correct_value = oracles.gemm(qa, qb)
+        correct_db = closeness(correct_value)
+        scored: list[tuple[float, str, str, str]] = []
+        if not spec.high_precision:
+            for role, operand, cast in (("a", spec.operands[0], spec.a), ("b", spec.operands[1], spec.b)):
+                rows, inner = (a_hp if role == "a" else b_hp).shape
+                for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
+                    source = sources.view(gemm_name, role, hypothesis.source)
+                    if source is None or tuple(source.shape) != (rows, inner):
+                        continue
+                    q = _quantize(source, cast, recipe, hypothesis.options)
+                    if q is None:
+                        continue
+                    value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
+                    scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))
+        explained = explain_result(target, correct_value, case, gemm_name, recipe,
+                                   bias=bias if gemm_name == "output" else None)
+        if explained is not None:
+            scored.append((MATCH_DB, "result", *explained))
+        if not scored:
+            continue
+        best = max(scored, key=lambda s: s[0])
+        if best[0] >= MATCH_DB and best[0] >= correct_db + MARGIN_DB:
+            out.append(Match(gemm_name, best[1], best[2], best[3], best[0], correct_db))
+    return out
+
+
+def high_precision_closeness(got: dict[str, torch.Tensor], step: StepData, case: Case,
+                             recipe: Recipe) -> tuple[float, float]:
+    """(SQNR of the results against the exact high-precision product, against the recipe's exact
+    FP8 emulation), worst over the GEMMs: an 'FP8' implementation nearer the first is not FP8."""
+    exact = oracles.emulate_linear(step.input, step.weight, step.grad_output, recipe)
+    K, N = step.input.shape[-1], step.weight.shape[0]
+    x, w, go = (t.to(torch.float64) for t in (step.input.reshape(-1, K), step.weight, step.grad_output.reshape(-1, N)))
+    plain = {"output": x @ w.t(), "grad_input": go @ w, "grad_weight": go.t() @ x}
+    hp, fp8 = math.inf, math.inf
+    for name, value in got.items():
+        hp = min(hp, compare(value.double().cpu(), plain[name].reshape(value.shape))["sqnr_db"])
+        fp8 = min(fp8, compare(value.double().cpu(), getattr(exact, name).reshape(value.shape))["sqnr_db"])
+    return hp, fp8
+

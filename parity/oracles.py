@@ -80,13 +80,14 @@ class Quantized:
 def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, absolute_amax: bool = True,
              scale_dtype: torch.dtype = torch.float32, target_max: float | None = None,
              clamp_max: float | None = None, inverse_scale: bool = True,
-             tile: tuple[int, int] | None = None) -> Quantized:
+             tile: tuple[int, int] | None = None, eps: float = EPS) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
     describe *wrong* quantizations, for parity.bisect's "nearest wrong oracle": amax without
     abs, a scale rounded to bf16, a scale aimed at another format's max, a clamp at another
-    bound, the scale handed to the GEMM instead of its inverse, scales over other tiles.
+    bound, the scale handed to the GEMM instead of its inverse, scales over other tiles, no
+    floor under amax (eps=0).
     """
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
@@ -99,7 +100,7 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     r, i = tile or cast.scaling.tile(rows, inner)
     tiles = x.reshape(rows // r, r, inner // i, i)
     amax = (tiles.abs() if absolute_amax else tiles).amax(dim=(1, 3)).to(torch.float64)
-    scale = ((target_max or fmt.max) / torch.clamp(amax, min=EPS)).to(torch.float32)
+    scale = ((target_max or fmt.max) / torch.clamp(amax, min=eps)).to(torch.float32)
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = scale.to(scale_dtype).to(torch.float32)

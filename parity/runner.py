@@ -50,6 +50,9 @@ class Execution:
     problems: list[str] = field(default_factory=list)  # side effects: inputs modified in place, ...
     error: str | None = None  # "<where>: <ExceptionType>: <message> (at file:line)"
     seconds: float = 0.0
+    # the forward's output of each step that got that far: a backward that raises keeps the
+    # forward's numbers, so a crash does not hide them
+    forward_outputs: list[torch.Tensor] = field(default_factory=list)
 
 
 def _describe_exception(err: BaseException, where: str) -> str:
@@ -113,6 +116,7 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
                 output = module(input)
             if not isinstance(output, torch.Tensor):
                 raise TypeError(f"the module returned {type(output).__name__}, not a tensor")
+            result.forward_outputs.append(output.detach())
             where = f"step {step_index}: backward"
             if recorder is not None:
                 recorder.phase = "backward"
@@ -195,7 +199,7 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
         data = data.on_host() if host else data  # the emulation is exact: it runs where the results are
         emulated_steps = emulated_steps_of(data, recipe)
         if candidate.impl.recipe is recipe:
-            for finding in call_findings(candidate.calls, emulated_steps, recipe):
+            for finding in call_findings(candidate.calls, data.steps, recipe, case):
                 operand_problems.setdefault((finding.step, finding.gemm), []).append(str(finding))
     rows = []
     for step_index in range(case.steps):

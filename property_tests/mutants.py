@@ -82,13 +82,13 @@ MUTANTS = [
     Mutant("crash_on_fp32_input", "crash", ("output",), "input", "fp32 input",
            "raises for float32 input (a dtype the recipe takes)"),
     # ---- recipe mutants (rowwise, blockwise) ----
-    Mutant("rowwise_amax_whole_tensor", "scale", ("output",), "input", None,
+    Mutant("rowwise_amax_whole_tensor", "scale", ("output", "grad_weight"), "input", None,
            "rowwise: the input's row scales all come from the whole tensor's amax (the wrong region)",
            recipe="rowwise"),
     Mutant("rowwise_stale_axis_after_transpose", "scale", ("grad_input",), "weight", "K == N",
            "rowwise: grad_input reuses the forward's fp8 weight, whose scales run along K, when its transposed "
            "shape fits (K == N): the axis metadata is stale after .t() (pytorch/ao #4444)", recipe="rowwise"),
-    Mutant("rowwise_zero_rows_nan", "scale", ("output", "grad_weight"), "input", "zero_rows data",
+    Mutant("rowwise_zero_rows_nan", "scale", ("output", "grad_weight"), "input", "zero",
            "rowwise: no EPS floor under the input's amax: an all-zero row gets an infinite scale and NaN "
            "(pytorch/ao #3356)", recipe="rowwise"),
     Mutant("rowwise_pow2_missing", "scale", ("output", "grad_weight"), "input", None,

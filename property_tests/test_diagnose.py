@@ -1,0 +1,150 @@
+"""parity.diagnose and bisect's classification: the stage that differs names the class, rounding is
+never structural, a crash does not hide the numbers, and no recorded FP8 GEMM is a finding.
+
+The implementations here are small user-style layers written in the test, beside the zoo."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from parity import oracles
+from parity.bisect import localize
+from parity.cases import Case
+from parity.check import CheckPlan
+from parity.data import make_data
+from parity.diagnose import explain_operand, OperandSources, operand_hypotheses
+from parity.impls import load_impl
+from parity.recipes import RECIPES
+
+USER_CODE = textwrap.dedent('''
+    import torch
+    from fp8_impl import float8_matmul
+
+
+    def bf16_linear(input_2d, weight):
+        """Claims FP8 but multiplies in bf16: no _scaled_mm call at all."""
+        return input_2d @ weight.t().to(input_2d.dtype)
+
+
+    class _OneUlp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out):
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+
+    class _NudgeWeightGrad(torch.autograd.Function):
+        """Passes the weight through; its gradient's first element moves one ulp."""
+
+        @staticmethod
+        def forward(ctx, weight):
+            return weight.view_as(weight)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            grad.view(-1)[0] = torch.nextafter(grad.view(-1)[0], torch.tensor(float("inf"), dtype=grad.dtype))
+            return grad
+
+
+    def one_ulp_off(input_2d, weight):
+        """fp8_impl with one grad_weight element a single ulp away: an honest rounding difference."""
+        return float8_matmul(input_2d, _NudgeWeightGrad.apply(weight))
+
+
+    def output_doubled(input_2d, weight):
+        """The right GEMM, its result then multiplied by 2."""
+        return float8_matmul(input_2d, weight) * 2
+
+
+    class _WrongThenCrash(torch.autograd.Function):
+        """The weight cast to e5m2 in the forward; the backward then raises."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight):
+            from fp8_impl.matmul import to_float8
+            x, sx = to_float8(input_2d, torch.float8_e4m3fn)
+            w, sw = to_float8(weight, torch.float8_e5m2)
+            return torch._scaled_mm(x, w.t(), scale_a=sx, scale_b=sw, out_dtype=input_2d.dtype, use_fast_accum=True)
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+    def wrong_then_crash(input_2d, weight):
+        return _WrongThenCrash.apply(input_2d, weight)
+''')
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "user_fp8.py"
+    path.write_text(USER_CODE)
+    return path
+
+
+def bisect(user_file, name: str, **kw):
+    return localize(CheckPlan.make(load_impl(f"{user_file}:{name}")), max_examples=30, **kw)
+
+
+def test_no_recorded_fp8_gemm_is_a_finding_of_its_own(user_file):
+    result = bisect(user_file, "bf16_linear")
+    assert result.category == "precision", (result.category, result.evidence)
+    assert any("no _scaled_mm call was recorded" in line for line in result.evidence)
+
+
+def test_one_ulp_is_a_rounding_level_difference_never_a_structural_bug(user_file):
+    result = bisect(user_file, "one_ulp_off")
+    assert (result.category, result.gemm) == ("accumulation", ["grad_weight"]), (result.category, result.evidence)
+
+
+def test_a_result_rescaled_after_its_gemm(user_file):
+    result = bisect(user_file, "output_doubled")
+    assert (result.category, result.operand, result.first) == ("scale", "result", "output"), result.evidence
+    assert any("multiplied by 2" in line for line in result.evidence)
+
+
+def test_a_crash_does_not_hide_the_numbers_before_it(user_file):
+    """The forward already handed its GEMM an e5m2 weight; the backward then raises: the class is
+    the forward's, and the crash is reported beside it."""
+    result = bisect(user_file, "wrong_then_crash")
+    assert (result.category, result.first, result.operand) == ("fp8_dtype", "output", "weight"), result.evidence
+    assert result.crash is not None and "mat1 and mat2 shapes" in result.crash["message"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe, generator):
+    """Quantize an operand with each mistake of the space, hand it to explain_operand: it names that
+    mistake (or an equivalent one of the same class), never another class."""
+    spec = RECIPES[recipe].gemm("output")
+    size = 128 if recipe == "blockwise" else 16
+    case = Case(lead=(2 * size,), K=2 * size, N=3 * size, steps=2)
+    data = make_data(case)
+    sources = OperandSources(data.steps[1], data.steps[0])
+    for role, cast in (("a", spec.a), ("b", spec.b)):
+        rows, inner = sources.view("output", role, "same").shape
+        for hypothesis in operand_hypotheses(cast, RECIPES[recipe], rows, inner):
+            source = sources.view("output", role, hypothesis.source)
+            if source is None:
+                continue
+            from parity.diagnose import _quantize
+            q = _quantize(source, cast, RECIPES[recipe], hypothesis.options)
+            correct = _quantize(sources.view("output", role, "same"), cast, RECIPES[recipe], {})
+            if q is None or (torch.equal(q.values, correct.values) and torch.equal(q.inv_scale, correct.inv_scale)):
+                continue  # this data does not tell the mistake apart
+            scales = q.inv_scale.repeat_interleave(rows // q.inv_scale.shape[0], 0).repeat_interleave(
+                inner // q.inv_scale.shape[1], 1)
+            found = explain_operand(q.values, scales, cast, RECIPES[recipe], sources, "output", role)
+            assert found is not None and found[1] == hypothesis.category, (hypothesis.description, found)
+
+
+def test_oracle_knob_without_eps_gives_infinite_scales():
+    q = oracles.quantize(torch.zeros(2, 16), torch.float8_e4m3fn, eps=0.0)
+    assert torch.isnan(q.values).all()
