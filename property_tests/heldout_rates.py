@@ -1,0 +1,90 @@
+"""check and bisect on the held-out set (property_tests/heldout/, frozen, written without reading the
+harness): detection, GEMM, class, operand and triggers, against the manifest.
+
+    python -m property_tests.heldout_rates [--device cuda] [--only NAME ...] [--markdown]
+
+Scoring, fixed before the first run: an entry's GEMM is right when bisect's first GEMM is the
+manifest's `gemm` (the first GEMM whose result is wrong); its class when bisect's category is the
+manifest's `category`; every manifest trigger must be among bisect's triggers (token -> label:
+"non-contiguous X" -> "only with non-contiguous X", "K == N", "N-D input", "fp32 input" ->
+"only with fp32 input", "second call" -> "only from the second call", "bias" -> "only with a bias",
+"data:X" -> "only with X data" (data:zero_rows also accepts an all-zero tensor, data:outlier any
+ratio), "gpu only" -> "only on the GPU"). A correct entry must pass check and leave bisect nothing
+to localize. Entries whose devices do not include this device are not scored here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "heldout"
+
+
+def trigger_found(token: str, triggers: list[str]) -> bool:
+    labels = {
+        "non-contiguous input": "only with non-contiguous input", "non-contiguous weight":
+        "only with non-contiguous weight", "non-contiguous grad_output": "only with non-contiguous grad_output",
+        "K == N": "only when K == N", "N-D input": "only with N-D input", "fp32 input": "only with fp32 input",
+        "fp16 input": "only with fp16 input", "fp32 weight": "only with fp32 weight",
+        "second call": "only from the second call", "bias": "only with a bias", "gpu only": "only on the GPU",
+    }
+    if token.startswith("data:"):
+        dist = token[5:]
+        accepted = {"zero_rows": ("zero_rows", "zeros"), "outlier": ("outlier",)}.get(dist, (dist,))
+        return any(t.startswith("only with ") and t.endswith(" data") and t[10:-5].startswith(accepted)
+                   for t in triggers)
+    return any(t.startswith(labels.get(token, token)) for t in triggers)
+
+
+def evaluate(entry: dict, device: str) -> dict:
+    from parity.bisect import localize
+    from parity.check import CheckPlan, run_check
+    from parity.impls import load_impl
+    impl = load_impl(str(HERE.parent.parent / entry["impl"]), recipe=entry["recipe"])
+    plan = CheckPlan.make(impl, device=device)
+    start = time.perf_counter()
+    checked = run_check(plan, device=device, max_examples=60)
+    row = dict(name=entry["name"], recipe=entry["recipe"], expected=f"{entry['category']} / {entry['gemm']} / "
+               f"{entry['operand']} / {', '.join(entry['trigger']) or '-'}", check=checked.verdict)
+    if entry["category"] == "none":
+        row.update(correct=checked.verdict == "pass", said="-", seconds=round(time.perf_counter() - start, 1))
+        return row
+    result = localize(plan, device=device, max_examples=60)
+    row.update(
+        said=f"{result.category} / {result.first} / {result.operand} / {'; '.join(result.trigger) or '-'}",
+        gemm_ok=result.first == entry["gemm"], class_ok=result.category == entry["category"],
+        operand_ok=result.operand == entry["operand"],
+        triggers_ok=all(trigger_found(t, result.trigger) for t in entry["trigger"]),
+        method=result.method, seconds=round(time.perf_counter() - start, 1))
+    row["correct"] = row["gemm_ok"] and row["class_ok"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    import pandas as pd
+    manifest = json.loads((HERE / "manifest.json").read_text())
+    device_key = "cuda" if args.device == "cuda" else "cpu"
+    rows = [evaluate(entry, args.device) for entry in manifest
+            if device_key in entry["devices"] and (args.only is None or entry["name"] in args.only)]
+    table = pd.DataFrame.from_records(rows)
+    print(table.to_markdown(index=False))
+    bugs, clean = table[table["expected"].str.startswith("none") == False], table[table["expected"].str.startswith("none")]  # noqa: E712,E501
+    print(f"\nheld-out on {args.device}: check detects {int((bugs['check'] == 'fail').sum())}/{len(bugs)}; bisect "
+          f"GEMM and class right {int(bugs['correct'].sum())}/{len(bugs)} (GEMM {int(bugs['gemm_ok'].sum())}, class "
+          f"{int(bugs['class_ok'].sum())}, operand {int(bugs['operand_ok'].sum())}); every trigger named "
+          f"{int(bugs['triggers_ok'].sum())}/{len(bugs)}; correct implementations passing "
+          f"{int(clean['correct'].sum())}/{len(clean)}")
+    if args.json:
+        args.json.write_text(table.to_json(orient="records", indent=1))
+
+
+if __name__ == "__main__":
+    main()
