@@ -208,8 +208,15 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     if numeric_case != case:
         result.evidence.append(f"diagnosed on {numeric_case.id}")
 
-    # 2. the diagnosis along the data path
-    _diagnose(result, plan, numeric_case, numeric, device)
+    # 2. the diagnosis along the data path (a failure of the diagnosis itself is evidence, never a crash)
+    try:
+        _diagnose(result, plan, numeric_case, numeric, device)
+    except Exception as err:  # noqa: BLE001 - whatever the implementation did, the localization reports
+        result.evidence.append(f"the diagnosis could not finish: {type(err).__name__}: {err}")
+        result.gemm = result.gemm or sorted({v.tensor for v in numeric.violations if v.tensor in GEMMS},
+                                            key=_gemm_order)
+        result.first = result.gemm[0] if result.gemm else None
+        result.category, result.operand = result.category or "unknown", result.operand or "unknown"
     if device == "cuda" and not _outcome(plan, case, "cpu").fails:
         result.trigger.append("only on the GPU")
     return result

@@ -198,7 +198,8 @@ def _default_report_dir() -> Path:
 
 def cmd_sweep(args) -> int:
     from parity.report import verdict, write_report
-    from parity.sweep import DEFAULT_IMPLS, PRESETS, named_shape_table, run_sweep, run_sweep_sharded, sweep_comparisons
+    from parity.sweep import (DEFAULT_IMPLS, PRESETS, accuracy_by_recipe, named_shape_table, run_sweep,
+                              run_sweep_sharded, sweep_comparisons)
 
     device = _device(args.device)
     impl_names = args.impl or list(DEFAULT_IMPLS)
@@ -222,7 +223,9 @@ def cmd_sweep(args) -> int:
     judged = verdict(frame, candidate=impls[0].name)
     written = write_report(frame, out, title=f"fp8-parity sweep: {preset.name} preset on {device}",
                            candidate=impls[0].name, verdict=judged,
-                           extra_tables={"by named shape": named_shape_table(frame, candidate=impls[0].name)})
+                           extra_tables={"by named shape": named_shape_table(frame, candidate=impls[0].name),
+                                         "Median SQNR against fp64 (dB) on the named shapes, by recipe and data":
+                                             accuracy_by_recipe(frame)})
     print(judged.headline)
     print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
     return EXIT_PASS if judged.ok else EXIT_FAIL

@@ -289,8 +289,9 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
     unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and not spec.fast_accum
                  and data.scale_a.numel() == 1 and data.scale_b.numel() == 1
                  and float(data.scale_a.reshape(())) == 1.0 and float(data.scale_b.reshape(())) == 1.0)
-    for role, operand, tensor, cast in (("a", spec.operands[0], data.a, spec.a), ("b", spec.operands[1], data.b.t(),
-                                                                                  spec.b)):
+    b_as_rows = data.b.t() if data.b.dim() == 2 else data.b
+    for role, operand, tensor, cast in (("a", spec.operands[0], data.a, spec.a),
+                                        ("b", spec.operands[1], b_as_rows, spec.b)):
         side = "A" if role == "a" else "B"
         want_dtype = FP8_DTYPES[cast.fp8]
         if tensor.dtype != want_dtype:
@@ -298,6 +299,12 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
             category = "fp8_dtype" if tensor.dtype in FP8_DTYPES.values() else "precision"
             out.append(Finding(call.step, spec.name, operand, "fp8_dtype", f"{side} ({operand}) is {name}; the "
                                f"{recipe.name} recipe casts it to {cast.fp8}", category))
+            continue
+        want_shape = tuple(sources.view(spec.name, role, "same").shape)
+        if tuple(tensor.shape) != want_shape:
+            out.append(Finding(call.step, spec.name, operand, "bytes", f"{side} ({operand}) has shape "
+                               f"{list(tensor.shape)} where the {recipe.name} oracle's operand is "
+                               f"{list(want_shape)}", "transpose" if tensor.dim() == 2 else "contract"))
             continue
         rows, inner = tensor.shape
         kind = call.scaling[0 if role == "a" else 1] if call.scaling else "?"

@@ -154,6 +154,17 @@ def named_shape_table(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> pd
                         ).reset_index()
 
 
+def accuracy_by_recipe(frame: pd.DataFrame) -> pd.DataFrame:
+    """Median SQNR against fp64 of each implementation (its recipe) and tensor on the preset's named
+    layer shapes, one column per data distribution: which recipe keeps its accuracy on outliers."""
+    named = frame[~frame["shape"].isin(["sampled", "edge case"]) & (frame["reference"] == "fp64")
+                  & frame["skipped"].fillna("").eq("") & frame["error"].isna()]
+    if named.empty:
+        return pd.DataFrame()
+    table = named.groupby(["impl", "recipe", "tensor", "dist"], sort=False)["sqnr_db"].median().unstack("dist")
+    return table.round(2).reset_index()
+
+
 def _sweep_worker(index: int, devices: list[str], labelled_cases, impl_names, out_dir: str) -> None:
     """One process of a sharded sweep: its share of the cases on its device, to a pickle."""
     from parity.sharding import shard

@@ -52,7 +52,13 @@ def evaluate(entry: dict, device: str) -> dict:
     if entry["category"] == "none":
         row.update(correct=checked.verdict == "pass", said="-", seconds=round(time.perf_counter() - start, 1))
         return row
-    result = localize(plan, device=device, max_examples=60)
+    try:
+        result = localize(plan, device=device, max_examples=60)
+    except Exception as err:  # noqa: BLE001 - a crash of the harness scores as a miss, and says so
+        row.update(said=f"harness error: {type(err).__name__}: {err}", gemm_ok=False, class_ok=False,
+                   operand_ok=False, triggers_ok=False, method=None, correct=False,
+                   seconds=round(time.perf_counter() - start, 1))
+        return row
     row.update(
         said=f"{result.category} / {result.first} / {result.operand} / {'; '.join(result.trigger) or '-'}",
         gemm_ok=result.first == entry["gemm"], class_ok=result.category == entry["category"],
