@@ -53,7 +53,8 @@ blockwise           DeepSeek-V3's recipe: activations and gradients get one scal
                     re-tiles input and grad_output along M (128x1 tiles of B). cuBLASLt wants the
                     1x128 scales of an operand [rows, K] as a [rows, K/128] tensor stored
                     column-major (rows adjacent) and 128x128 scales as [K/128, N/128] K-major;
-                    every dim (M too: grad_weight's inner dim) a multiple of 128. Block scaling
+                    every dim (M too: grad_weight's inner dim) a multiple of 128. The GEMMs write
+                    bf16 (torchao's blockwise layer is bf16-only), cast to fp32 for fp32 input. Block scaling
                     runs on SM90 through torch.nn.functional.scaled_mm; a CPU has no block-scaled
                     GEMM, so there the same FP8 operands and scales are multiplied by an
                     emulation: per 128-block products summed in fp32, scaled, summed in fp32.
@@ -161,13 +162,14 @@ def _gemm(a, scale_a, b, scale_b, gemm: GemmConfig, out_dtype: torch.dtype) -> t
     tiles_b = gemm.b.scaling is Scaling.BLOCK_1X128
     if a.device.type != "cuda":
         per_k = scale_b.t() if tiles_b else scale_b.repeat_interleave(BLOCK, dim=1)
-        return _blocks_emulated(a, scale_a, b, per_k, out_dtype)
+        return _blocks_emulated(a, scale_a, b, per_k, torch.bfloat16).to(out_dtype)
     if not tiles_b and scale_b.shape[0] % 4:  # cuBLASLt: K/128 padded to a multiple of 4 (16-byte columns)
         padded = scale_b.new_ones(scale_b.shape[1], -(-scale_b.shape[0] // 4) * 4).t()
         padded[: scale_b.shape[0]] = scale_b
         scale_b = padded
     recipe_b = F.ScalingType.BlockWise1x128 if tiles_b else F.ScalingType.BlockWise128x128
-    return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype)
+    return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b,
+                       output_dtype=torch.bfloat16).to(out_dtype)  # bf16, as torchao's blockwise writes
 
 
 def _cast_for_gemm(x: torch.Tensor, cast: CastConfig, pow2: bool):

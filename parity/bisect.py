@@ -27,16 +27,19 @@ stale_state, crash, and precision (a GEMM in another precision than the recipe's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 
 from parity.cases import Case, Dist, Layout
 from parity.check import CheckPlan, run_check
-from parity.contract import ScaledMMCall, sm90_problems
+from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
-from parity.diagnose import (MATCH_DB, Finding, Match, call_findings, diagnose_behaviour, explain_result,
-                             high_precision_closeness, strides_ignored)
+from parity import oracles
+from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
+                             explain_result, high_precision_closeness, strides_ignored)
+from parity.metrics import compare
 from parity.env import environment
 from parity.policy import Violation
 from parity.recipes import GEMMS, OPERANDS
@@ -44,7 +47,8 @@ from parity.relations import RELATIONS, check_layout_invariance, check_relation,
 from parity.runner import emulated_steps_of, execute, run_case
 
 NUMERIC_METRICS = ("bitwise", "accumulation_bound", "sqnr_db", "paired_sqnr_db", "nonfinite", "operand")
-STAGE_ORDER = ("calls", "precision", "fp8_dtype", "scale", "bytes", "fast_accum", "result")
+STAGE_ORDER = ("calls", "precision", "fp8_dtype", "scale", "bytes", "unit_scales", "fast_accum", "result",
+               "contract", "gpu_rule")
 
 
 # ---- triggers --------------------------------------------------------------------------------------------
@@ -74,6 +78,18 @@ def _conditions(case: Case) -> list[tuple[str, str, Case]]:
     if case.bias:
         undo.append(("only with a bias", "", case.replace(bias=False)))
     return undo
+
+
+def _more_distributions(result: Localization, plan: CheckPlan, case: Case, device: str) -> None:
+    """A failure that needs its data distribution may need one of several: each other distribution
+    is tried on the same case, and those that fail too are named ("or with X data")."""
+    if not any(t.endswith(" data") for t in result.trigger):
+        return
+    for dist in Dist:
+        if dist not in (case.dist, Dist.NORMAL) and _outcome(plan, case.replace(dist=dist), device).fails:
+            other = case.replace(dist=dist)
+            result.trigger.append(f"or with {other.dist_token} data")
+            result.trigger_operands.append("")
 
 
 @dataclass
@@ -145,7 +161,7 @@ def _call_differences(candidate: Sequence[ScaledMMCall], reference: Sequence[Sca
     lines = []
     theirs = {(call.step, call.gemm): call for call in reference}
     for call in candidate:
-        for _, problem in sm90_problems(call):
+        for _, _, problem in sm90_problems(call):
             lines.append(f"_scaled_mm {call.gemm} GEMM: {problem}")
         other = theirs.get((call.step, call.gemm))
         if other is None:
@@ -188,6 +204,7 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
         elif base.crashed and not outcome.crashed:
             crash_triggers.append(label)
             running.append((flipped, outcome))
+    _more_distributions(result, plan, case, device)
     numeric_case, numeric = case, base
     if base.crashed:
         with_numbers = [(c, o) for c, o in running if o.numeric]
@@ -199,8 +216,8 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     # With M, K, N not all distinct the shapes of a _scaled_mm call cannot say which backward GEMM
     # it is: diagnose a distinct-dims twin of the case when it fails the same way.
     if len({numeric_case.M, numeric_case.K, numeric_case.N}) < 3 and "only when K == N" not in result.trigger:
-        unit = plan.alignment
-        twin = numeric_case.replace(lead=(unit,), K=2 * unit, N=3 * unit)
+        unit = plan.alignment  # M spans two blocks, so a bug along M shows on the twin too
+        twin = numeric_case.replace(lead=(2 * unit,), K=3 * unit, N=unit)
         twin_outcome = _outcome(plan, twin, device)
         if twin_outcome.fails and twin_outcome.crashed == numeric.crashed:
             numeric_case, numeric = twin, twin_outcome
@@ -230,13 +247,44 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
     numeric = outcome.numeric
     diverging = sorted({v.tensor for v in numeric}, key=_gemm_order)
     crashes = [v for v in outcome.violations if v.metric == "crash"]
-    problems = [(call, role, message) for call in execution.calls for role, message in sm90_problems(call)]
+    problems = [(call, role, category, message) for call in execution.calls
+                for role, category, message in sm90_problems(call)]
     findings: list[Finding] = []
     matches: list[Match] = []
     fp8 = recipe.is_fp8 and not candidate.exact
     if fp8 and execution.calls:
         findings = call_findings(execution.calls, host.steps, recipe, case)
         result.method = "recorded calls"
+    # calls an H100 rejects: a finding of their GEMM (a crash there comes first: the GPU never gets further)
+    for call, role, category, message in problems:
+        gemm = next((g for g in call.gemm.split("|") if g in GEMMS), None)
+        if gemm is not None:
+            operand = OPERANDS[gemm][0 if role == "a" else 1] if role in ("a", "b") else "result"
+            findings.append(Finding(call.step, gemm, operand, "calls" if category == "crash" else "gpu_rule",
+                                    f"{gemm} GEMM: {message}", category))
+    # unit scales in a call: applied after the GEMM (a rounding-level difference) or never (a scale bug)
+    for index, finding in enumerate(findings):
+        if finding.stage != "unit_scales" or finding.step >= len(execution.steps):
+            continue
+        got_result = execution.steps[finding.step][finding.gemm]
+        exact = oracles.rounded_like_result(getattr(emulated_steps_of(host, recipe)[finding.step], finding.gemm),
+                                            case, finding.gemm, recipe)
+        db = -math.inf if got_result is None else compare(got_result.cpu(), exact.reshape(got_result.shape))["sqnr_db"]
+        category, what = (("accumulation", "applied to the result after the GEMM: a second rounding")
+                          if db >= ACCUMULATION_DB else ("scale", "never applied to the result"))
+        findings[index] = Finding(finding.step, finding.gemm, "result", "unit_scales",
+                                  f"the call's scales are all ones while its fp8 operands are the recipe's: the "
+                                  f"scales are {what} ({db:.1f} dB from the exact result)", category)
+    # the results' dtypes, shapes and strides (nn.Linear's contract): a finding of their GEMM
+    for violation in outcome.violations:
+        if violation.metric == "contract" and violation.tensor in GEMMS:
+            findings.append(Finding(violation.step, violation.tensor, "result", "contract", violation.message,
+                                    "contract"))
+    if crashes and execution.forward_outputs and not any(f.stage == "contract" for f in findings):
+        expected = expected_contract(case, compute_dtype=candidate.compute_dtype)["output"]
+        for problem in contract_violations(execution.forward_outputs[0], expected, "output"):
+            findings.append(Finding(0, "output", "result", "contract", f"output (step 0): {problem} (before the "
+                                    f"crash)", "contract"))
     # GEMMs whose calls are the recipe's but whose results are not: the result stage
     bounded = {(v.step, v.tensor) for v in numeric if v.metric in ("accumulation_bound", "nonfinite")}
     flagged = {(f.step, f.gemm) for f in findings}
@@ -275,15 +323,16 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
                                     f"layer ({hp_db:.1f} dB from it): this does not run the {recipe.name} recipe in "
                                     f"FP8", "precision"))
 
-    # the GEMMs to blame: diverging tensors, then GEMMs with findings
-    gemms = list(diverging) or sorted({f.gemm for f in findings} | {m.gemm for m in matches}, key=_gemm_order)
+    # the GEMMs to blame: diverging tensors and GEMMs with an explained finding, in GEMM order
+    gemms = sorted(set(diverging) | {f.gemm for f in findings if f.category}, key=_gemm_order) or \
+        sorted({f.gemm for f in findings} | {m.gemm for m in matches}, key=_gemm_order)
     if crashes and not numeric:
         gemms = _crash_gemms(crashes[0], execution, recipe)
         result.method = "crash"
     if not gemms:
         gemms = sorted({v.tensor for v in outcome.violations if v.tensor in GEMMS}, key=_gemm_order)
     if not gemms and problems:
-        gemms = sorted({g for call, _, _ in problems for g in call.gemm.split("|") if g in GEMMS}, key=_gemm_order)
+        gemms = sorted({g for call, *_ in problems for g in call.gemm.split("|") if g in GEMMS}, key=_gemm_order)
     result.gemm, result.first = gemms, gemms[0] if gemms else None
     result.category, result.operand = _classify(result, outcome, findings, matches, problems, crashes, case,
                                                 recipe, execution, host)
@@ -352,10 +401,10 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
         if layout_operand:
             return "layout", layout_operand
         return ("scale" if first.stage == "scale" else "unknown"), first.operand
-    if problems and not numeric:
-        call, role, _ = problems[0]
+    if problems and not numeric:  # a call the CPU runs and the H100 rejects: the rule says what
+        call, role, category, _ = problems[0]
         gemm = next((g for g in call.gemm.split("|") if g in GEMMS), "output")
-        return "layout", OPERANDS[gemm][0 if role == "a" else 1] if role in "ab" else "result"
+        return category, OPERANDS[gemm][0 if role == "a" else 1] if role in ("a", "b") else "result"
     if not numeric:
         return "contract", "result"
     if stale:

@@ -225,17 +225,30 @@ def _scale_violations(call: ScaledMMCall, M: int, K: int, N: int) -> list[str]:
 def sm90_violations(call: ScaledMMCall) -> list[str]:
     """What goes wrong with this call on an H100/H200 ("would fail on H100: ..."); empty if
     nothing. Each rule was seen raising on an H200 (torch 2.11, `python .ci/probe_scaled_mm.py`)."""
-    return [message for _, message in sm90_problems(call)]
+    return _sm90_messages(call)
 
 
-def sm90_problems(call: ScaledMMCall) -> list[tuple[str, str]]:
-    """sm90_violations with the operand each rule is about: ("a" | "b" | "call", message)."""
-    def about(message: str) -> str:
+# What each SM90 rule is about: (a fragment of its message, the operand: a | b | call, the bug class)
+_RULE_KINDS = (
+    ("takes 2-D operands", "a", "crash"), ("cannot be multiplied", "call", "crash"),
+    ("is not divisible by 16", "call", "crash"), ("both operands are float8_e5m2", "call", "fp8_dtype"),
+    ("block scaling takes e4m3", "call", "fp8_dtype"), ("fast accumulation is not supported", "call", "accumulation"),
+    ("scales of A", "a", "scale"), ("scales of B", "b", "scale"), ("rowwise scales", "call", "scale"),
+    ("scales must be float32", "call", "scale"), ("are none of tensorwise", "call", "scale"),
+    ("A's data pointer", "a", "layout"), ("B's data pointer", "b", "layout"), ("A [", "a", "layout"),
+    ("A's row stride", "a", "layout"), ("B [", "b", "layout"), ("B's column stride", "b", "layout"),
+    ("a bias with out_dtype", "call", "contract"), ("no out_dtype", "call", "contract"),
+)
+
+
+def sm90_problems(call: ScaledMMCall) -> list[tuple[str, str, str]]:
+    """sm90_violations with what each rule is about: (operand "a" | "b" | "call", bug class, message)."""
+    out = []
+    for message in _sm90_messages(call):
         text = message.removeprefix("would fail on H100: ")
-        return "a" if text.startswith(("A ", "A's", "1x128 scales of A")) else \
-            "b" if text.startswith(("B ", "B's", "B.size", "N (B", "128x128 scales of B", "1x128 scales of B")) \
-            else "call"
-    return [(about(message), message) for message in _sm90_messages(call)]
+        role, category = next(((r, c) for fragment, r, c in _RULE_KINDS if fragment in text), ("call", "layout"))
+        out.append((role, category, message))
+    return out
 
 
 def _sm90_messages(call: ScaledMMCall) -> list[str]:

@@ -183,7 +183,7 @@ def emulate_linear(input: torch.Tensor, weight: torch.Tensor, grad_output: torch
 def result_dtypes(recipe: Recipe, gemm_name: str, out_dtype: torch.dtype) -> list[torch.dtype]:
     """The dtypes a GEMM's result is rounded to on its way to `out_dtype` (axis- and block-scaled
     GEMMs of recipes with scaled_out_bf16 write bf16 first)."""
-    if recipe.scaled_out_bf16 and recipe.gemm(gemm_name).kind == "RowWise" \
+    if recipe.scaled_out_bf16 and recipe.gemm(gemm_name).kind in ("RowWise", "BlockWise") \
             and out_dtype != torch.bfloat16:
         return [torch.bfloat16, out_dtype]
     return [out_dtype]

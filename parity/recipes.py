@@ -130,8 +130,9 @@ class Recipe:
     summary: str
     gemms: tuple[Gemm, Gemm, Gemm]
     pow2_scales: bool = False  # scales rounded down to a power of two
-    # axis-scaled GEMMs write bf16 and cast to fp16/fp32 (torchao 0.18, on every device: torch's
-    # CUTLASS rowwise kernel, used below cuBLAS 12.9, writes bf16 only)
+    # axis- and block-scaled GEMMs write bf16 and cast to fp16/fp32 (torchao 0.18, on every device:
+    # torch's CUTLASS rowwise kernel, used below cuBLAS 12.9, writes bf16 only; torchao's blockwise
+    # layer is bf16-only)
     scaled_out_bf16: bool = False
     # torchao: an axis-scaled GEMM without fast accumulation runs the tensorwise kernel with unit
     # scales and multiplies the (power-of-two) scales in afterwards: the call's scales are ones
@@ -227,7 +228,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            scaled_out_bf16=True, unit_scales_without_fast_accum=True,
            parity_reference={"cpu": "torchao:rowwise_with_gw_hp", "cuda": "torchao:rowwise_with_gw_hp"}),
     Recipe("blockwise", "DeepSeek-V3: 1x128 tiles for activations and gradients, 128x128 blocks for weights, "
-           "e4m3 everywhere", _gemms((_B1, _B128, False), (_B1, _B128), (_B1, _B1)),
+           "e4m3 everywhere", _gemms((_B1, _B128, False), (_B1, _B128), (_B1, _B1)), scaled_out_bf16=True,
            # torchao's blockwise training JIT-compiles and autotunes Triton kernels for every new shape
            # (minutes for a check's hundred shapes), so checks compare with the exact emulation; its
            # bitwise parity with fp8_impl on the H200 is a GPU test (test_fp8_impl.py)

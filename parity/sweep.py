@@ -102,6 +102,11 @@ PRESETS = {
         _VARIANTS),
     "llama": Preset("llama", "Llama 3 8B and 70B layers in four variants",
                     (*llama3_shapes("8b"), *llama3_shapes("70b")), {"cpu": 32, "cuda": 4096}, 60, 512, _VARIANTS),
+    "outliers": Preset("outliers", "nanochat d20 and Llama 3 8B/70B layers on normal data, an outlier channel "
+                       "and an outlier token: which recipe keeps its accuracy (use with --accuracy-only)",
+                       (*nanochat_shapes(20), *llama3_shapes("8b"), *llama3_shapes("70b")),
+                       {"cpu": 128, "cuda": 4096}, 0, 256,
+                       ({}, {"dist": Dist.OUTLIER}, {"dist": Dist.OUTLIER_ROW})),
 }
 
 

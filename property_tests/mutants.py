@@ -96,7 +96,7 @@ MUTANTS = [
     Mutant("blockwise_padding_consumed", "scale", ("output", "grad_input"), "weight", None,
            "blockwise: the 128x128 weight scales are padded to 4 K-blocks with the padding first, so the GEMM "
            "consumes padding bytes as scales (TransformerEngine #3070)", recipe="blockwise"),
-    Mutant("blockwise_scales_reshaped", "scale", ("output", "grad_input"), "weight", None,
+    Mutant("blockwise_scales_reshaped", "transpose", ("output", "grad_input"), "weight", None,
            "blockwise: the [N/128, K/128] grid of weight scales is reshaped, not transposed, to [K/128, N/128] "
            "(pytorch/ao #4229's orientation): wrong once both dims span two blocks", recipe="blockwise"),
 ]
