@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import torch
 from typing import Sequence
 
 
@@ -317,7 +319,8 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
         hp_db, fp8_db = high_precision_closeness(got, host.steps[step], case, recipe)
         result.evidence.append(f"no _scaled_mm call was recorded: its results are {hp_db:.1f} dB from the exact "
                                f"high-precision product and {fp8_db:.1f} dB from the exact {recipe.name} FP8 result")
-        if hp_db >= MATCH_DB and hp_db >= fp8_db + 10:
+        finite = all(bool(torch.isfinite(value).all()) for value in got.values())
+        if finite and hp_db >= MATCH_DB and hp_db >= fp8_db + 10:
             findings.append(Finding(step, diverging[0], "result", "calls",
                                     f"no _scaled_mm call was recorded and the results are those of a high-precision "
                                     f"layer ({hp_db:.1f} dB from it): this does not run the {recipe.name} recipe in "
@@ -372,8 +375,13 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
     stale = "only from the second call" in triggers
     layout_operand = next((op for op, t in zip(result.trigger_operands, triggers)
                            if t.startswith("only with non-contiguous")), None)
-    ordered = sorted(findings, key=lambda f: (f.step, _gemm_order(f.gemm), STAGE_ORDER.index(f.stage)
-                                              if f.stage in STAGE_ORDER else 9))
+    diverging = {v.tensor for v in numeric}
+
+    def stage_rank(f: Finding) -> int:  # a GEMM whose result is right: what the caller sees (the contract) first
+        if f.stage == "contract" and f.gemm not in diverging:
+            return -1
+        return STAGE_ORDER.index(f.stage) if f.stage in STAGE_ORDER else 9
+    ordered = sorted(findings, key=lambda f: (f.step, _gemm_order(f.gemm), stage_rank(f)))
     explained = [f for f in ordered if f.category]
     if crashes and not numeric:
         if explained:  # the GEMMs that ran before the crash were already handed the wrong operands

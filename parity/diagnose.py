@@ -45,6 +45,7 @@ from parity.metrics import compare
 from parity.oracles import Quantized
 from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe
 
+FP8_MAX_OF = {"e4m3": 448.0, "e5m2": 57344.0}
 MATCH_DB = 45.0  # a hypothesis "matches" results above this SQNR: quantization-level bugs sit near 25-30 dB
 MARGIN_DB = 10.0  # ... and only when it is this much closer than the correct emulation (ties: the correct one)
 # A result this close to the exact FP8 result (but beyond the accumulation bound), that no hypothesis
@@ -123,7 +124,11 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
           for k in (2, 3, 4, 6, 8, 10, 16)),
         Hypothesis("layout", "the operand read as if contiguous from non-contiguous memory",
                    source="strides_ignored"),
+        Hypothesis("transpose", "its tokens flattened from the leading dims in the wrong order (dims swapped "
+                                "before the reshape)", source="leading_swapped"),
     ]
+    hypotheses.append(Hypothesis("saturation", f"clamped to +-{FP8_MAX_OF[cast.fp8]:g} (the fp8 max) before it is "
+                                               f"scaled", {"clip_abs": FP8_MAX_OF[cast.fp8]}))
     if cast.fp8 == "e4m3":
         hypotheses += [
             Hypothesis("saturation", "scaled to e5m2's max (57344) and saturated at e4m3's 448",
@@ -146,9 +151,9 @@ def _region_name(tile: tuple[int, int], rows: int, inner: int) -> str:
 def _quantize(source: torch.Tensor, cast: Cast, recipe: Recipe, options: dict) -> Quantized | None:
     options = dict(options)
     grid = options.pop("grid", None)
-    clip = options.pop("clip_rms", None)
-    if clip is not None:
-        bound = clip * float(source.double().pow(2).mean().sqrt())
+    clip, clip_abs = options.pop("clip_rms", None), options.pop("clip_abs", None)
+    if clip is not None or clip_abs is not None:
+        bound = clip_abs if clip is None else clip * float(source.double().pow(2).mean().sqrt())
         if not bound or float(source.abs().max()) <= bound:
             return None  # nothing clipped: the same as the correct cast
         source = source.clamp(-bound, bound)
@@ -198,9 +203,13 @@ class OperandSources:
 
     def view(self, gemm: str, role: str, source: str) -> torch.Tensor | None:
         base = {"same": self.step, "previous": self.previous, "strides_ignored": self.strided,
-                "transposed": self.step, "reshaped": self.step}[source]
+                "transposed": self.step, "reshaped": self.step, "leading_swapped": self.step}[source]
         if base is None:
             return None
+        if source == "leading_swapped":  # N-D input and grad_output flattened with their first two dims swapped
+            if base.input.dim() < 3:
+                return None
+            base = StepData(base.input.transpose(0, 1), base.weight, base.grad_output.transpose(0, 1))
         K, N = base.input.shape[-1], base.weight.shape[0]
         views = oracles.operand_views(base.input.reshape(-1, K), base.weight, base.grad_output.reshape(-1, N))
         operand = views[gemm][0 if role == "a" else 1]
@@ -428,6 +437,13 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
     for category, message, value in candidates:
         if close(rounded(value)):
             return category, message
+    chain = oracles.rounding_chain(case, tensor, recipe)
+    for through in (torch.bfloat16, torch.float16, torch.float32):
+        if through not in chain and through != got.dtype:
+            other_chain = [through, *chain]
+            if _same(rounded(with_bias(exact), other_chain).reshape(got64.shape), got64):
+                return "accumulation", f"the result rounded through {str(through).replace('torch.', '')} on its way " \
+                                       f"to {str(got.dtype).replace('torch.', '')}: a second rounding"
     if bool((~torch.isfinite(got64) & torch.isfinite(rounded(with_bias(exact)))).any()):
         return "saturation", "the result overflows its dtype where the exact result does not"
     return None
