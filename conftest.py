@@ -115,6 +115,7 @@ def generator(seed) -> torch.Generator:
 
 def pytest_sessionfinish(session, exitstatus):
     """--parity-report DIR: the metric rows the property tests computed, through the one report writer."""
+    suite.SUITE.close()  # the worker process of a candidate that is not a built-in
     out = session.config.getoption("--parity-report")
     if not out or not suite.SUITE.rows:
         return

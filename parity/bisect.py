@@ -27,26 +27,27 @@ stale_state, crash, and precision (a GEMM in another precision than the recipe's
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-
-import torch
 from typing import Sequence
 
+import torch
 
+from parity import oracles
 from parity.cases import Case, Dist, Layout
 from parity.check import CheckPlan, run_check
 from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
-from parity import oracles
 from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
                              explain_result, high_precision_closeness, strides_ignored)
-from parity.metrics import compare
 from parity.env import environment
+from parity.metrics import compare
 from parity.policy import Violation
 from parity.recipes import GEMMS, OPERANDS
 from parity.relations import RELATIONS, check_layout_invariance, check_relation, check_weight_update
-from parity.runner import emulated_steps_of, execute, run_case
+from parity.runner import emulated_steps_of, execute, run_case_isolated
+from parity.worker import Died, Worker, WorkerError, default_time_limit, isolation
 
 NUMERIC_METRICS = ("bitwise", "accumulation_bound", "sqnr_db", "paired_sqnr_db", "nonfinite", "operand")
 STAGE_ORDER = ("calls", "precision", "fp8_dtype", "scale", "bytes", "unit_scales", "fast_accum", "result",
@@ -82,13 +83,13 @@ def _conditions(case: Case) -> list[tuple[str, str, Case]]:
     return undo
 
 
-def _more_distributions(result: Localization, plan: CheckPlan, case: Case, device: str) -> None:
+def _more_distributions(result: Localization, plan: CheckPlan, case: Case, device: str, outcome_of) -> None:
     """A failure that needs its data distribution may need one of several: each other distribution
     is tried on the same case, and those that fail too are named ("or with X data")."""
     if not any(t.endswith(" data") for t in result.trigger):
         return
     for dist in Dist:
-        if dist not in (case.dist, Dist.NORMAL) and _outcome(plan, case.replace(dist=dist), device).fails:
+        if dist not in (case.dist, Dist.NORMAL) and outcome_of(case.replace(dist=dist), device).fails:
             other = case.replace(dist=dist)
             result.trigger.append(f"or with {other.dist_token} data")
             result.trigger_operands.append("")
@@ -113,8 +114,10 @@ class Outcome:
         return [v for v in self.violations if v.metric in NUMERIC_METRICS and not _is_contract_only(v)]
 
 
-def _outcome(plan: CheckPlan, case: Case, device: str) -> Outcome:
-    return Outcome(plan.judge(run_case(case, plan.comparisons, device=device)))
+def _outcome(plan: CheckPlan, case: Case, device: str, runner: Worker | None = None,
+             time_limit: float | None = None) -> Outcome:
+    return Outcome(plan.judge(run_case_isolated(case, plan.comparisons, device=device, runner=runner,
+                                                time_limit=time_limit)))
 
 
 def _is_contract_only(violation: Violation) -> bool:
@@ -185,28 +188,39 @@ def _gemm_order(name: str) -> int:
 
 
 def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, max_examples: int = 100,
-             seed: int = 0) -> Localization:
-    """Find (or take) a minimal failing case and localize its bug."""
+             seed: int = 0, isolate: bool | None = None, time_limit: float | None = None) -> Localization:
+    """Find (or take) a minimal failing case and localize its bug. With `isolate` (by default when
+    any implementation is not a built-in: parity.worker.isolation) the code under
+    test runs in a worker process (parity.worker), each case within `time_limit` seconds (the
+    diagnosis, which runs it many times, within four times that): a death or a hang there is
+    evidence, never the end of the localization."""
+    with isolation(plan.comparisons, device, isolate) as runner:
+        return _localize(plan, device, case, max_examples, seed, runner, time_limit)
+
+
+def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int, seed: int, runner: Worker | None,
+              time_limit: float | None) -> Localization:
     found = run_check(plan, device=device, max_examples=max_examples, seed=seed,
-                      cases=None if case is None else [case])
+                      cases=None if case is None else [case], runner=runner, time_limit=time_limit)
     result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error)
     if found.verdict != "fail":
         return result
     case = found.minimal_case
     base = Outcome(found.violations)
+    outcome_of = functools.partial(_outcome, plan, runner=runner, time_limit=time_limit)
     result.violations = base.violations
 
     # 1. triggers, by flipping one condition at a time (the crash's apart from the numbers')
     crash_triggers, running = [], []
     for label, operand, flipped in _conditions(case):
-        outcome = _outcome(plan, flipped, device)
+        outcome = outcome_of(flipped, device)
         if not outcome.fails:
             result.trigger.append(label)
             result.trigger_operands.append(operand)
         elif base.crashed and not outcome.crashed:
             crash_triggers.append(label)
             running.append((flipped, outcome))
-    _more_distributions(result, plan, case, device)
+    _more_distributions(result, plan, case, device, outcome_of)
     numeric_case, numeric = case, base
     if base.crashed:
         with_numbers = [(c, o) for c, o in running if o.numeric]
@@ -220,7 +234,7 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     if len({numeric_case.M, numeric_case.K, numeric_case.N}) < 3 and "only when K == N" not in result.trigger:
         unit = plan.alignment  # M spans two blocks, so a bug along M shows on the twin too
         twin = numeric_case.replace(lead=(2 * unit,), K=3 * unit, N=unit)
-        twin_outcome = _outcome(plan, twin, device)
+        twin_outcome = outcome_of(twin, device)
         if twin_outcome.fails and twin_outcome.crashed == numeric.crashed:
             numeric_case, numeric = twin, twin_outcome
     result.diagnosed_case = numeric_case
@@ -229,15 +243,29 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
 
     # 2. the diagnosis along the data path (a failure of the diagnosis itself is evidence, never a crash)
     try:
-        _diagnose(result, plan, numeric_case, numeric, device)
-    except Exception as err:  # noqa: BLE001 - whatever the implementation did, the localization reports
+        if runner is None:
+            _diagnose(result, plan, numeric_case, numeric, device)
+        else:
+            limit = 4 * (time_limit or default_time_limit(numeric_case.M, numeric_case.K, numeric_case.N,
+                                                          torch.device(device).type))
+            diagnosed = runner.call(_diagnosed, result, plan, numeric_case, numeric, device, time_limit=limit)
+            if isinstance(diagnosed, Died):
+                raise RuntimeError(diagnosed.message)
+            result = diagnosed
+    except (Exception, WorkerError) as err:  # noqa: BLE001 - whatever the implementation did, the localization reports
         result.evidence.append(f"the diagnosis could not finish: {type(err).__name__}: {err}")
         result.gemm = result.gemm or sorted({v.tensor for v in numeric.violations if v.tensor in GEMMS},
                                             key=_gemm_order)
         result.first = result.gemm[0] if result.gemm else None
         result.category, result.operand = result.category or "unknown", result.operand or "unknown"
-    if device == "cuda" and not _outcome(plan, case, "cpu").fails:
+    if device == "cuda" and not outcome_of(case, "cpu").fails:
         result.trigger.append("only on the GPU")
+    return result
+
+
+def _diagnosed(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> Localization:
+    """_diagnose in a worker process: the localization comes back with the diagnosis added."""
+    _diagnose(result, plan, case, outcome, device)
     return result
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, replace
 
@@ -210,6 +211,21 @@ def parse_case_id(case_id: str) -> Case:
             f"case id {case_id!r}: cannot read {part!r} ({err}); layouts are "
             f"{[layout.value for layout in Layout]}, distributions {[d.value for d in Dist]}; {ID_HELP}") from None
     return Case(**fields)
+
+
+def check_fits(case: Case, device: str) -> Case:
+    """CaseError when the case's operands alone, in the float64 of the exact references, exceed the
+    device's memory: say so before anything is allocated (the run needs several times more)."""
+    import torch
+    need = 8 * (case.M * case.K + case.K * case.N + case.M * case.N)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        have, where = torch.cuda.get_device_properties(torch.device(device)).total_memory, "the GPU's"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
+    if need > have:
+        raise CaseError(f"case {case.id}: its operands alone take {need / 2**30:.3g} GiB in float64, more than "
+                        f"{where} {have / 2**30:.3g} GiB: choose smaller M, K, N")
+    return case
 
 
 def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT) -> tuple[Case, ...]:

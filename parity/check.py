@@ -24,7 +24,8 @@ from parity.env import environment
 from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
-from parity.runner import Comparison, run_case
+from parity.runner import Comparison, run_case_isolated
+from parity.worker import Worker, isolation
 from parity.strategies import cases as case_strategy
 
 
@@ -82,6 +83,7 @@ class CheckResult:
     error: str | None = None
     rerun: str | None = None
     skipped: dict = field(default_factory=dict)  # case id -> why an implementation could not take it
+    note: str | None = None  # e.g. a failure that needs the cases before it (state kept across calls)
 
     def to_json(self) -> dict:
         return dict(
@@ -92,7 +94,7 @@ class CheckResult:
             failures=[dict(case_id=v.case_id, tensor=v.tensor, step=v.step, metric=v.metric,
                            value=_jsonable(v.value), allowed=_jsonable(v.allowed), message=v.full_message)
                       for v in self.violations],
-            error=self.error, rerun=self.rerun, recipe=self.plan.candidate.recipe.name,
+            error=self.error, rerun=self.rerun, note=self.note, recipe=self.plan.candidate.recipe.name,
             skipped=[dict(case_id=case_id, reason=reason) for case_id, reason in self.skipped.items()],
             env=environment(self.device),
         )
@@ -107,17 +109,33 @@ def _jsonable(value):
 def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, cases: Sequence[Case] | None = None,
               max_dim: int = 256, max_tokens: int = 256, seed: int = 0, derandomize: bool = True,
               rerun_command: Callable[[Case], str] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> CheckResult:
+              progress: Callable[[int, int], None] | None = None, isolate: bool | None = None,
+              time_limit: float | None = None, runner: Worker | None = None) -> CheckResult:
     """Explicit `cases` run as given; otherwise edge cases, then a hypothesis search of
     `max_examples` cases with shrinking of the first failure. Cases an implementation cannot take
-    are skipped with the reason; a check in which no case could run is an error, not a pass."""
+    are skipped with the reason; a check in which no case could run is an error, not a pass.
+    With `isolate` (default: when any implementation is not a built-in; parity.worker.isolation)
+    every case runs in a worker process, within `time_limit`
+    seconds (default: one that fits the case's size), in `runner` if given (kept open)."""
+    if runner is not None:
+        return _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize,
+                          rerun_command, progress, runner, time_limit)
+    with isolation(plan.comparisons, device, isolate) as runner:
+        return _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize,
+                          rerun_command, progress, runner, time_limit)
+
+
+def _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize, rerun_command, progress,
+               runner, time_limit) -> CheckResult:
     start = time.perf_counter()
     all_rows: list[dict] = []
     counter = {"cases": 0, "skipped": {}}
     device_type = torch.device(device).type
 
+    outcomes: dict[str, tuple[list[dict], list[Violation], list[str]]] = {}
+
     def run(case: Case) -> tuple[list[dict], list[Violation], list[str]]:
-        rows = run_case(case, plan.comparisons, device=device)
+        rows = run_case_isolated(case, plan.comparisons, device=device, runner=runner, time_limit=time_limit)
         counter["cases"] += 1
         reason = plan.unsupported(case, device_type)
         if reason:
@@ -125,7 +143,8 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
         all_rows.extend(rows)
         if progress is not None:
             progress(counter["cases"], max_examples)
-        return rows, plan.judge(rows), plan.reference_errors(rows)
+        outcomes[case.id] = (rows, plan.judge(rows), plan.reference_errors(rows))
+        return outcomes[case.id]
 
     def finish(verdict: str, violations=(), minimal=None, error=None) -> CheckResult:
         if verdict == "pass" and counter["skipped"] and len(counter["skipped"]) == counter["cases"]:
@@ -137,22 +156,55 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
                            skipped=dict(counter["skipped"]))
 
     def violates(case: Case) -> bool:
+        ran.append(case)
         _, violations, ref_errors = run(case)
         return bool(violations or ref_errors)
 
     def conclude(case: Case) -> CheckResult:
-        _, violations, ref_errors = run(case)  # once more, for a clean report of this case
+        _, violations, ref_errors = outcomes.get(case.id) or run(case)
         if ref_errors:
             return finish("error", error=f"a reference failed on {case.id}: {'; '.join(ref_errors)}", minimal=case)
-        return finish("fail", violations, case)
+        note = None
+        if runner is not None and counter["cases"] > 1:  # does the failure need what ran before this case?
+            runner.close()
+            if not plan.judge(run_case_isolated(case, plan.comparisons, device=device, runner=runner,
+                                                time_limit=time_limit)):
+                note = (f"{case.id} fails after the cases before it ran in the same process, and passes alone: the "
+                        f"implementation keeps state across calls (stale state); the rerun command below runs the "
+                        f"case alone and passes")
+        result = finish("fail", violations, case)
+        result.note = note
+        return result
+
+    def repeated() -> CheckResult:
+        """A pass needs the same results twice: the first case that ran runs again, in the same
+        process; any metric of the candidate that moved is a finding (randomness, or state kept
+        from the calls before)."""
+        first = next((outcomes[c] for c in outcomes if c not in counter["skipped"]), None)
+        if first is None:
+            return finish("pass")
+        rows = first[0]
+        case = next(case for case in ran if case.id == rows[0]["case_id"])
+        again = {_row_key(r): r for r in run_case_isolated(case, plan.comparisons, device=device, runner=runner,
+                                                            time_limit=time_limit)}
+        moved = [Violation(case.id, row["impl"], row["reference"], row["tensor"], row["step"], "determinism",
+                           _repeat_value(again.get(_row_key(row))), _repeat_value(row),
+                           f"{row['tensor']} (step {row['step']}): a second run of the same case gave other "
+                           f"results ({_repeat_value(row)} the first time, {_repeat_value(again.get(_row_key(row)))} "
+                           f"the second, against {row['reference']}): the implementation is not deterministic or "
+                           f"keeps state across calls")
+                 for row in rows if row["impl"] == plan.candidate.name and not row.get("skipped")
+                 and _repeat_value(row) != _repeat_value(again.get(_row_key(row)))]
+        return finish("fail", moved[:6], case) if moved else finish("pass")
 
     explicit = cases is not None
+    ran: list[Case] = []
     shrunk = lambda case: shrink(case, violates, alignment=plan.alignment)  # noqa: E731
     for case in (cases if explicit else edge_cases(seed=seed, alignment=plan.alignment)):
         if violates(case):
             return conclude(case if explicit else shrunk(case))
     if explicit:
-        return finish("pass")
+        return repeated()
 
     search_settings = settings(
         max_examples=max(1, max_examples), database=None, deadline=None, derandomize=derandomize,
@@ -163,8 +215,22 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
     try:
         minimal = find(strategy, violates, settings=search_settings, random=random.Random(seed))
     except NoSuchExample:
-        return finish("pass")
+        return repeated()
     return conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps
+
+
+def _row_key(row: dict) -> tuple:
+    return row["impl"], row["reference"], row["tensor"], row["step"]
+
+
+def _repeat_value(row: dict | None) -> str:
+    """What a repeated run must reproduce exactly: the error, or the differences from the reference."""
+    if row is None:
+        return "no result"
+    if isinstance(row.get("error"), str):
+        return f"error {row['error']!r}"
+    return (f"{row['n_diff']} elements differ, SQNR {row['sqnr_db']:.6g} dB, "
+            f"max abs err {row['max_abs_err']:.6g}, {row['nan']} NaN")
 
 
 # ---- presentation -------------------------------------------------------------------------------------
@@ -211,6 +277,8 @@ def render(result: CheckResult) -> str:
         if len(result.violations) > 12:
             lines.append(f"  ... and {len(result.violations) - 12} more (see --json)")
         lines.append("")
+    if result.note:
+        lines += [f"note: {result.note}", ""]
     if result.rerun:
         lines += ["Rerun exactly this case:", f"  {result.rerun}"]
     return "\n".join(lines).rstrip() + "\n"

@@ -1,8 +1,11 @@
 """`fp8-parity`: argument parsing only; each command calls the modules that do the work.
 
-Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad usage
-or input, 125 cannot run here (e.g. a GPU-only command without a GPU). 125 is what
-`git bisect run` reads as "skip this commit".
+Every flag is validated before any work starts; a bad one is one line saying what, the value
+and the fix. Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad
+usage or input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the
+traceback), 4 `report` of an interrupted sweep's partial table in which nothing failed (not a
+pass: cases are missing), 125 cannot run here (e.g. a GPU-only command without a GPU; what `git
+bisect run` reads as "skip this commit"), 130 / 143 interrupted by SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,11 +23,12 @@ import torch
 
 from parity.cases import CaseError, parse_case_id
 from parity.history import HistoryError
-from parity.impls import BUILTIN_HELP, Form, ImplError, load_impl
+from parity.impls import BUILTIN_HELP, BUILTINS, Form, ImplError, load_impl
 from parity.policy import Policy
 from parity.recipes import FP8_RECIPES, RecipeError
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_RUN = 0, 1, 2, 125
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL, EXIT_INCOMPLETE, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4, 125
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class UsageError(Exception):
@@ -30,6 +37,79 @@ class UsageError(Exception):
 
 class CannotRun(Exception):
     """The command cannot run on this machine (no GPU, ...): one clear message, exit 125."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like a Ctrl-C so that every command stops the same way (workers killed, partial
+    results kept)."""
+
+
+def _interrupted_by(err: KeyboardInterrupt) -> signal.Signals:
+    return signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: what was wrong, the value, the fix; exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _count(low: int, high: int, example: int):
+    """An integer in [low, high] ("--max-examples 0" would run nothing and pass)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r} (e.g. {example})")
+        return value
+    return parse
+
+
+def _amount(low: float, high: float, example: str, *, low_open: bool = False):
+    """A finite number in [low, high] (or (low, high]): a NaN tolerance would let everything through."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+            bound = f"greater than {low:g}" if low_open else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound} and at most {high:g}, got {text!r} "
+                                             f"(e.g. {example})")
+        return value
+    return parse
+
+
+def _timeout_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", type=_amount(0, 86400, "--timeout 300", low_open=True), default=None,
+                        metavar="SECONDS",
+                        help="time limit of one case, past which the implementation is stopped and the case is a "
+                             "finding (default: 120 s plus the case's size at a pessimistic rate)")
+
+
+def _writable_file(path: Path | None, flag: str) -> None:
+    from parity.outputs import OutputError, check_writable_file
+    if path is not None:
+        try:
+            check_writable_file(path)
+        except OutputError as err:
+            raise UsageError(f"{flag} {path}: {err}") from None
+
+
+def _writable_dir(path: Path, flag: str) -> None:
+    from parity.outputs import OutputError, check_writable_dir
+    try:
+        check_writable_dir(path)
+    except OutputError as err:
+        raise UsageError(f"{flag} {path}: {err}") from None
+
+
+def _cases(ids: list[str], device: str):
+    from parity.cases import check_fits
+    return [check_fits(parse_case_id(case_id), device) for case_id in ids]
 
 
 def _device(requested: str) -> str:
@@ -59,7 +139,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fp8-parity", description="Numerical parity and accuracy harness for FP8 training in PyTorch.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
@@ -73,14 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reference implementation (default: the recipe's: torchao's implementation of it, or "
                             "its exact emulation where torchao has none here; fp64 for a high-precision one)")
     _common(check)
-    check.add_argument("--max-examples", type=int, default=100, help="hypothesis cases to try (default 100)")
-    check.add_argument("--max-dim", type=int, default=256, help="largest K and N generated (default 256)")
+    check.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
+                       help="hypothesis cases to try (default 100)")
+    check.add_argument("--max-dim", type=_count(16, 16384, "--max-dim 256"), default=256,
+                       help="largest K and N generated (default 256)")
     check.add_argument("--case", action="append", default=None, metavar="CASE_ID",
                        help="run exactly this case (repeatable) instead of searching")
     check.add_argument("--policy", choices=[p.value for p in Policy], default=None,
                        help="override the parity policy (default: chosen from the recipes)")
     check.add_argument("--no-oracle", action="store_true", help="do not also run the exact emulation")
-    check.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
+    check.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0, help="seed of the search (default 0)")
+    _timeout_arg(check)
     check.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the result as JSON")
     check.add_argument("--quiet", action="store_true", help="no progress line")
 
@@ -97,14 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--preset", choices=list(PRESETS), default="quick",
                        help="; ".join(f"{p.name}: {p.description}" for p in PRESETS.values()))
     sweep.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")
-    sweep.add_argument("--samples", type=int, default=None, help="override the preset's number of sampled cases")
-    sweep.add_argument("--gpus", type=int, default=1,
+    sweep.add_argument("--samples", type=_count(0, 100_000, "--samples 20"), default=None,
+                       help="override the preset's number of sampled cases")
+    sweep.add_argument("--resume", action="store_true",
+                       help="continue the interrupted sweep whose partial table is in --out (same arguments)")
+    _timeout_arg(sweep)
+    sweep.add_argument("--gpus", type=_count(1, 64, "--gpus 2"), default=1,
                        help="split the cases over this many GPUs, one process each (default 1; capped at the GPUs "
                             "present; on the CPU one worker)")
     sweep.add_argument("--accuracy-only", action="store_true",
                        help="compare with fp64 only (no parity reference, no exact emulation): SQNR tables of "
                             "large layers")
-    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0)
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
 
     bisect = commands.add_parser("bisect", help="localize a failing implementation: GEMM, operand, bug class, trigger",
@@ -116,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reference (default: the recipe's, as for check)")
     _common(bisect)
     bisect.add_argument("--case", default=None, metavar="CASE_ID", help="localize on this failing case")
-    bisect.add_argument("--max-examples", type=int, default=100, help="search budget for a failing case")
+    bisect.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
+                        help="search budget for a failing case")
+    _timeout_arg(bisect)
     bisect.add_argument("--git", nargs=2, metavar=("GOOD", "BAD"), default=None,
                         help="git bisect the repository in the current directory between two commits, with "
                              "`fp8-parity check --impl IMPL` as the test")
@@ -137,19 +226,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", choices=["both", "on", "off"], default="both",
                        help="time eager, torch.compile'd or both (default both; compiling dominates the run time)")
     bench.add_argument("--device", choices=["cuda"], default="cuda", help="the GPU (there is no CPU benchmark)")
-    bench.add_argument("--warmup", type=int, default=None, help="untimed iterations (default: the preset's)")
-    bench.add_argument("--iters", type=int, default=None, help="timed iterations (default: the preset's)")
+    bench.add_argument("--warmup", type=_count(0, 100_000, "--warmup 10"), default=None,
+                       help="untimed iterations (default: the preset's)")
+    bench.add_argument("--iters", type=_count(1, 100_000, "--iters 50"), default=None,
+                       help="timed iterations (default: the preset's)")
     bench.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
 
     throughput = commands.add_parser("throughput", help="cases per second of the harness itself (small shapes)")
     throughput.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    throughput.add_argument("--workers", type=int, default=1, help="processes sharing the device (default 1)")
-    throughput.add_argument("--cases", type=int, default=300, help="small cases to run (default 300)")
+    throughput.add_argument("--workers", type=_count(1, 64, "--workers 2"), default=1,
+                            help="processes sharing the device (default 1)")
+    throughput.add_argument("--cases", type=_count(1, 1_000_000, "--cases 300"), default=300,
+                            help="small cases to run (default 300)")
 
     report = commands.add_parser("report", help="re-render a report from a stored results table")
     report.add_argument("results", type=Path, help="results.csv.gz (or .csv/.parquet) or a report directory")
-    report.add_argument("--out", type=Path, default=None, help="report directory (default: next to RESULTS)")
+    report.add_argument("--out", type=Path, default=None,
+                        help="report directory (default: the directory of RESULTS, whose table is not rewritten)")
     report.add_argument("--candidate", default="fp8_impl", help="whose parity the verdict judges")
 
     diff = commands.add_parser("diff", help="compare two result sets: what moved beyond noise",
@@ -157,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "case; list the cases and tensors whose metrics moved beyond noise.")
     diff.add_argument("a", type=Path, help="results table or report directory (before)")
     diff.add_argument("b", type=Path, help="results table or report directory (after)")
-    diff.add_argument("--sqnr-tolerance", type=float, default=0.1, help="dB an SQNR may move (default 0.1)")
+    diff.add_argument("--sqnr-tolerance", type=_amount(0, 1000, "--sqnr-tolerance 0.1"), default=0.1,
+                      help="dB an SQNR may move (default 0.1)")
     diff.add_argument("--csv", type=Path, default=None, help="also write the moves as CSV")
     return parser
 
@@ -196,36 +291,98 @@ def _default_report_dir() -> Path:
     return Path("reports") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+PARTIAL_TABLE, PARTIAL_INFO = "partial.csv.gz", "partial.json"
+
+
+def _sweep_arguments(args, impl_names: list[str]) -> dict:
+    """What decides a sweep's cases and rows: a resumed sweep must be the same sweep."""
+    return dict(preset=args.preset, impls=impl_names, samples=args.samples, seed=args.seed,
+                accuracy_only=args.accuracy_only)
+
+
+def _save_partial(frame, out: Path, arguments: dict, reason: str) -> None:
+    """The rows of the cases done so far, where `report` and `sweep --resume` read them."""
+    import gzip
+
+    from parity.outputs import atomic_write_bytes, atomic_write_text
+    atomic_write_bytes(out / PARTIAL_TABLE, gzip.compress(frame.to_csv(index=False).encode(), mtime=0))
+    atomic_write_text(out / PARTIAL_INFO, json.dumps(dict(arguments=arguments, done=frame.attrs["done"],
+                                                          planned=frame.attrs["planned"], reason=reason,
+                                                          env=frame.attrs.get("env", {})), indent=2, default=str))
+
+
+def _load_partial(out: Path, arguments: dict):
+    from parity.report import read_results
+    info_path = out / PARTIAL_INFO
+    if not info_path.is_file() or not (out / PARTIAL_TABLE).is_file():
+        raise UsageError(f"--resume: {out} holds no interrupted sweep ({PARTIAL_TABLE} and {PARTIAL_INFO}); run "
+                         f"without --resume to start one")
+    info = json.loads(info_path.read_text())
+    if info.get("arguments") != arguments:
+        raise UsageError(f"--resume: the sweep in {out} ran with {info.get('arguments')}, this one asks for "
+                         f"{arguments}: resume with the same --preset, --impl, --samples, --seed and --accuracy-only")
+    try:
+        return read_results(out / PARTIAL_TABLE)
+    except (ValueError, OSError) as err:
+        raise UsageError(f"--resume: cannot read {out / PARTIAL_TABLE}: {err}; start the sweep again") from None
+
+
 def cmd_sweep(args) -> int:
+    from parity.outputs import OutputLock
     from parity.report import verdict, write_report
-    from parity.sweep import (DEFAULT_IMPLS, PRESETS, accuracy_by_recipe, named_shape_table, run_sweep,
-                              run_sweep_sharded, sweep_comparisons)
+    from parity.sweep import (DEFAULT_IMPLS, PRESETS, SweepInterrupted, accuracy_by_recipe, named_shape_table,
+                              run_sweep, run_sweep_sharded, sweep_comparisons)
 
     device = _device(args.device)
     impl_names = args.impl or list(DEFAULT_IMPLS)
+    if args.resume and args.out is None:
+        raise UsageError("--resume needs --out DIR, the directory of the interrupted sweep")
+    out = args.out or _default_report_dir()
+    _writable_dir(out, "--out")
     impls = [load_impl(name) for name in impl_names]
     preset = PRESETS[args.preset]
     if args.samples is not None:
         preset = dataclasses.replace(preset, samples=args.samples)
     cases = preset.cases(device, seed=args.seed, alignment=max(impl.recipe.alignment for impl in impls))
-    out = args.out or _default_report_dir()
-    print(f"fp8-parity sweep: preset {preset.name} ({preset.description}), {len(cases)} cases x "
-          f"{len(impls)} implementations on {device}", file=sys.stderr)
     gpus = min(args.gpus, torch.cuda.device_count()) if device == "cuda" else 1
     if args.gpus > 1 and gpus < args.gpus:
         print(f"fp8-parity sweep: --gpus {args.gpus}, but {gpus or 'no'} GPU(s) here: using {max(gpus, 1)} worker",
               file=sys.stderr)
-    if gpus > 1:
-        frame = run_sweep_sharded(cases, impl_names, devices=[f"cuda:{i}" for i in range(gpus)])
-    else:
-        frame = run_sweep(cases, sweep_comparisons(impls, device, accuracy_only=args.accuracy_only), device=device,
-                          progress=_progress_bar(not args.quiet))
-    judged = verdict(frame, candidate=impls[0].name)
-    written = write_report(frame, out, title=f"fp8-parity sweep: {preset.name} preset on {device}",
-                           candidate=impls[0].name, verdict=judged,
-                           extra_tables={"by named shape": named_shape_table(frame, candidate=impls[0].name),
-                                         "Median SQNR against fp64 (dB) on the named shapes, by recipe and data":
-                                             accuracy_by_recipe(frame)})
+    if args.resume and gpus > 1:
+        raise UsageError("--resume runs on one device: leave out --gpus")
+    arguments = _sweep_arguments(args, impl_names)
+    with OutputLock(out):
+        done = _load_partial(out, arguments) if args.resume else None
+        print(f"fp8-parity sweep: preset {preset.name} ({preset.description}), {len(cases)} cases x "
+              f"{len(impls)} implementations on {device}"
+              + (f"; resuming after {len(set(zip(done['shape'], done['case_id'])))} cases done" if done is not None
+                 else ""),
+              file=sys.stderr)
+        if gpus > 1:
+            frame = run_sweep_sharded(cases, impl_names, devices=[f"cuda:{i}" for i in range(gpus)])
+        else:
+            try:
+                frame = run_sweep(cases, sweep_comparisons(impls, device, accuracy_only=args.accuracy_only),
+                                  device=device, progress=_progress_bar(not args.quiet), time_limit=args.timeout,
+                                  done=done, checkpoint=lambda part: _save_partial(part, out, arguments, "running"))
+            except SweepInterrupted as stop:
+                by = _interrupted_by(stop.cause)
+                _save_partial(stop.frame, out, arguments, by.name)
+                command = " ".join(["fp8-parity", "sweep", *sys.argv[2:]] if "--resume" in sys.argv else
+                                   ["fp8-parity", "sweep", *sys.argv[2:], *([] if args.out else ["--out", str(out)]),
+                                    "--resume"])
+                print(f"fp8-parity sweep: interrupted by {by.name} after {stop.frame.attrs['done']} of "
+                      f"{stop.frame.attrs['planned']} cases; their rows are in {out / PARTIAL_TABLE} (`fp8-parity "
+                      f"report {out}` reads them); continue with: {command}", file=sys.stderr)
+                return EXIT_SIGNAL[by]
+        judged = verdict(frame, candidate=impls[0].name)
+        written = write_report(frame, out, title=f"fp8-parity sweep: {preset.name} preset on {device}",
+                               candidate=impls[0].name, verdict=judged,
+                               extra_tables={"by named shape": named_shape_table(frame, candidate=impls[0].name),
+                                             "Median SQNR against fp64 (dB) on the named shapes, by recipe and data":
+                                                 accuracy_by_recipe(frame)})
+        for name in (PARTIAL_TABLE, PARTIAL_INFO):  # the complete table is written
+            (out / name).unlink(missing_ok=True)
     print(judged.headline)
     print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
     return EXIT_PASS if judged.ok else EXIT_FAIL
@@ -234,24 +391,26 @@ def cmd_sweep(args) -> int:
 def cmd_bisect(args) -> int:
     from parity.check import CheckPlan
 
+    from parity.outputs import atomic_write_text
+
     device = _device(args.device)
+    _writable_file(args.json, "--json")
     if args.git:
         from parity.history import git_bisect
         found = git_bisect(args.git[0], args.git[1], impl=args.impl, against=args.against, device=device,
                            max_examples=args.max_examples)
         print(found.render(), end="")
         if args.json:
-            args.json.write_text(json.dumps(found.to_json(), indent=2) + "\n")
+            atomic_write_text(args.json, json.dumps(found.to_json(), indent=2) + "\n")
         return EXIT_FAIL if found.first_bad else EXIT_PASS
     from parity.bisect import localize, render
+    case = _cases([args.case], device)[0] if args.case else None
     plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe),
                           load_impl(args.against) if args.against else None, device=device)
-    result = localize(plan, device=device, case=parse_case_id(args.case) if args.case else None,
-                      max_examples=args.max_examples)
+    result = localize(plan, device=device, case=case, max_examples=args.max_examples, time_limit=args.timeout)
     print(render(result), end="")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
 
 
@@ -271,6 +430,8 @@ def cmd_throughput(args) -> int:
 def cmd_bench(args) -> int:
     from parity.bench import DEFAULT_IMPLS, PRESETS, NoGPUError, bench_verdict, run_bench, write_bench_report
 
+    if not torch.cuda.is_available():  # before anything is printed or created
+        raise CannotRun("no CUDA device is available: bench measures GPU kernels (there is no CPU benchmark)")
     impls = [load_impl(name) for name in args.impl or DEFAULT_IMPLS]
     presets = [PRESETS[name] for name in dict.fromkeys(args.preset or ["small"])]
     modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
@@ -295,15 +456,34 @@ def cmd_bench(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from parity.outputs import OutputLock
     from parity.report import verdict, write_report
 
-    frame = _read(args.results)
-    out = args.out or (args.results if args.results.is_dir() else args.results.parent)
+    source = args.results
+    partial = (source.name == PARTIAL_TABLE or
+               (source.is_dir() and (source / PARTIAL_TABLE).is_file() and not (source / "results.csv.gz").exists()))
+    table = source / PARTIAL_TABLE if partial and source.is_dir() else source
+    frame = _read(table)
+    home = table.parent
+    out = args.out or home
+    _writable_dir(out, "--out")
     judged = verdict(frame, candidate=args.candidate)
-    write_report(frame, out, candidate=args.candidate, verdict=judged)
-    print(judged.headline)
+    headline = judged.headline
+    if partial:
+        info_path = home / PARTIAL_INFO
+        info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        headline = (f"INCOMPLETE: an interrupted sweep's table ({info.get('done', '?')} of {info.get('planned', '?')} "
+                    f"cases; `fp8-parity sweep --out {home} --resume` finishes it). Among the cases that ran: "
+                    f"{headline}")
+        judged = dataclasses.replace(judged, headline=headline)
+    with OutputLock(out):  # the table read is never rewritten: a report beside it re-renders only the rest
+        write_report(frame, out, candidate=args.candidate, verdict=judged,
+                     write_table=out.resolve() != home.resolve())
+    print(headline)
     print(f"report: {out}/summary.md")
-    return EXIT_PASS
+    if not judged.ok:
+        return EXIT_FAIL
+    return EXIT_INCOMPLETE if partial else EXIT_PASS
 
 
 def _read(path: Path):
@@ -319,32 +499,37 @@ def _read(path: Path):
 def cmd_diff(args) -> int:
     from parity.report import diff_results, render_diff
 
+    from parity.outputs import atomic_write_text
+
+    _writable_file(args.csv, "--csv")
     moves = diff_results(_read(args.a), _read(args.b), sqnr_tolerance_db=args.sqnr_tolerance)
     print(render_diff(moves))
     if args.csv:
-        moves.to_csv(args.csv, index=False)
+        atomic_write_text(args.csv, moves.to_csv(index=False))
     return EXIT_PASS if moves.empty else EXIT_FAIL
 
 
 def cmd_check(args) -> int:
     from parity.check import CheckPlan, render, rerun_command, run_check
 
+    from parity.outputs import atomic_write_text
+
     device = _device(args.device)
+    _writable_file(args.json, "--json")
+    cases = _cases(args.case, device) if args.case else None
     candidate = load_impl(args.impl, form=args.form, recipe=args.recipe)
     reference = load_impl(args.against) if args.against else None
-    cases = [parse_case_id(c) for c in args.case] if args.case else None
     plan = CheckPlan.make(candidate, reference, policy=args.policy, oracle=not args.no_oracle, device=device)
     extra = [*(["--form", args.form] if args.form else []), *(["--recipe", args.recipe] if args.recipe else []),
              *(["--policy", args.policy] if args.policy else [])]
     result = run_check(plan, device=device, max_examples=args.max_examples, cases=cases, max_dim=args.max_dim,
                        seed=args.seed, rerun_command=rerun_command(args.impl, plan.reference.name, device, extra),
-                       progress=_progress(not args.quiet))
+                       progress=_progress(not args.quiet), time_limit=args.timeout)
     if not args.quiet and sys.stderr.isatty():
         sys.stderr.write("\n")
     print(render(result), end="")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
 
 
@@ -353,17 +538,42 @@ COMMANDS = {"check": cmd_check, "sweep": cmd_sweep, "bisect": cmd_bisect, "bench
             "report": cmd_report, "diff": cmd_diff}
 
 
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from parity.outputs import OutputError
     parser = build_parser()
     args = parser.parse_args(argv)
+    name = f"fp8-parity {args.command}"
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    named = [*(args.impl if isinstance(getattr(args, "impl", None), list) else [getattr(args, "impl", None)]),
+             getattr(args, "against", None)]
+    if args.command in ("check", "bisect", "sweep") and args.device != "cuda" and not torch.cuda.is_available() \
+            and any(name and name not in BUILTINS for name in named):
+        from parity.worker import warm_up
+        warm_up()  # code under test runs in workers: their imports run beside this process's
     try:
         return COMMANDS[args.command](args)
-    except (ImplError, CaseError, UsageError, HistoryError, RecipeError) as err:
-        print(f"fp8-parity {args.command}: {err}", file=sys.stderr)
+    except (ImplError, CaseError, UsageError, HistoryError, RecipeError, OutputError) as err:
+        print(f"{name}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except CannotRun as err:
-        print(f"fp8-parity {args.command}: cannot run here: {err}", file=sys.stderr)
+        print(f"{name}: cannot run here: {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    except KeyboardInterrupt as err:
+        by = _interrupted_by(err)
+        print(f"{name}: interrupted by {by.name}; nothing was judged", file=sys.stderr)
+        return EXIT_SIGNAL[by]
+    except Exception as err:  # noqa: BLE001 - a bug of fp8-parity itself: one line, the traceback on request
+        if os.environ.get("FP8_PARITY_TRACEBACK"):
+            raise
+        print(f"{name}: internal error of fp8-parity: {type(err).__name__}: {err} (rerun with "
+              f"FP8_PARITY_TRACEBACK=1 for the traceback, and report it)", file=sys.stderr)
+        return EXIT_INTERNAL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

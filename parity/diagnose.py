@@ -325,8 +325,9 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
                  and unit_scales)
     operands_differ = scales_elsewhere = False
     b_as_rows = data.b.t() if data.b.dim() == 2 else data.b
-    for role, operand, tensor, cast in (("a", spec.operands[0], data.a, spec.a),
-                                        ("b", spec.operands[1], b_as_rows, spec.b)):
+    swapped = _computes_the_transpose(call, b_as_rows, spec, recipe, sources)
+    for role, operand, tensor, cast in () if swapped else (("a", spec.operands[0], data.a, spec.a),
+                                                           ("b", spec.operands[1], b_as_rows, spec.b)):
         side = "A" if role == "a" else "B"
         want_dtype = FP8_DTYPES[cast.fp8]
         if tensor.dtype != want_dtype:
@@ -364,6 +365,30 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
                            f"use_fast_accum={call.use_fast_accum} where the {recipe.name} recipe says "
                            f"{spec.fast_accum}", "accumulation"))
     return out
+
+
+def _computes_the_transpose(call: ScaledMMCall, b_as_rows: torch.Tensor, spec: Gemm, recipe: Recipe,
+                            sources: OperandSources) -> bool:
+    """Whether the call computes the GEMM's transpose, B^T A^T: its A holds exactly the oracle's B
+    and its B the oracle's A (fp8 values and scales, each as the recipe casts it). That is a
+    legitimate formulation, not an operand mistake; the result comes back transposed, and what
+    the implementation makes of that is judged on the result (its strides: the contract)."""
+    data = call.data
+    for call_role, tensor, scale, oracle_role, cast in (("a", data.a, data.scale_a, "b", spec.b),
+                                                        ("b", b_as_rows, data.scale_b, "a", spec.a)):
+        want = sources.view(spec.name, oracle_role, "same")
+        if tensor.dim() != 2 or tensor.dtype != FP8_DTYPES[cast.fp8] or want is None \
+                or tuple(tensor.shape) != tuple(want.shape):
+            return False
+        rows, inner = tensor.shape
+        kind = call.scaling[0 if call_role == "a" else 1] if call.scaling else "?"
+        scales = _call_scales(kind, scale, call_role, rows, inner)
+        correct = _quantize(want, cast, recipe, {})
+        if correct is None or scales is None or not _same(tensor.detach().to(torch.float64).cpu(),
+                                                          correct.values.cpu()) \
+                or not _same(scales, _expanded(correct.inv_scale.cpu(), rows, inner)):
+            return False
+    return True
 
 
 def assign_calls(calls: Sequence[ScaledMMCall], step: int, recipe: Recipe | None = None,

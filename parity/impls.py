@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from parity.cases import Layout
+from parity.sandbox import ProcessExit, exits_raise
 from parity.recipes import DEFAULT_RECIPE, FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
 
 
@@ -57,7 +58,8 @@ def quiet_imports():
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        yield
+        with exits_raise():  # a module that calls os._exit at import is an error of the module, not an exit 0
+            yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -73,6 +75,10 @@ class Impl:
     exact: bool = False  # a float64 emulation: its results do not depend on the device
     # why a case cannot run here (beyond the recipe's alignment), or None: cuda-only kernels, dtypes
     limits: Callable[[Any, str], str | None] | None = None
+
+    def __reduce__(self):
+        """Pickled by name: a worker process rebuilds the implementation (parity.worker)."""
+        return _reload, (self.name, self.form.value, self.recipe.name)
 
     @property
     def is_reference(self) -> bool:
@@ -119,10 +125,19 @@ class _FunctionLinear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         lead = input.shape[:-1]
         output = self.fn(input.reshape(-1, input.shape[-1]), self.linear.weight)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{_defined_at(self.fn)} returned {type(output).__name__}, not a tensor")
         output = output.reshape(*lead, output.shape[-1])
         if self.linear.bias is not None:
             output = output + self.linear.bias.to(output.dtype)
         return output
+
+
+def _defined_at(fn: Callable) -> str:
+    """"the function NAME (defined at FILE:LINE)", for a message about what it did."""
+    code = getattr(fn, "__code__", None)
+    where = f" (defined at {code.co_filename}:{code.co_firstlineno})" if code else ""
+    return f"the function {getattr(fn, '__qualname__', fn)!s}{where}"
 
 
 def _find_parameters(module: nn.Module, linear: nn.Linear):
@@ -259,6 +274,12 @@ def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
     return name if name in BUILTINS else None
 
 
+def _reload(name: str, form: str, recipe: str) -> Impl:
+    impl = load_impl(name, form=None if name in BUILTINS else form, recipe=None if name in BUILTINS else recipe)
+    impl.form = Form(form)
+    return impl
+
+
 def default_reference(candidate: Impl, device_type: str) -> Impl:
     """What a candidate is compared with when the user names nothing: its recipe's parity
     reference on this device (torchao's implementation of the recipe), or the recipe's exact
@@ -301,6 +322,10 @@ def _import_target(module_spec: str, attr: str) -> Any:
                 module = importlib.import_module(module_spec)
     except ImplError:
         raise
+    except SystemExit as err:
+        call = str(err.code) if isinstance(err, ProcessExit) else f"sys.exit({err.code!r})"
+        raise ImplError(f"importing {module_spec!r} exited the process ({call}): an implementation must not "
+                        f"exit at import") from None
     except Exception as err:  # noqa: BLE001 - whatever the import raised, show it
         frames = traceback.extract_tb(err.__traceback__)
         where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""

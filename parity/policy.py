@@ -186,6 +186,11 @@ def _candidate_violations(row: Mapping) -> list[Violation]:
     return out
 
 
+def _crash_message(error: str) -> str:
+    """'the implementation raised: <where>: <Exception>' or, for a worker that died, what happened."""
+    return error if error.startswith("the implementation") else f"the implementation raised: {error}"
+
+
 def row_policy(row: Mapping) -> Policy:
     """The policy a result row is judged by: its `policy` column (written by parity.runner)."""
     return Policy(_text(row, "policy") or Policy.NONE.value)
@@ -206,7 +211,7 @@ def evaluate(rows: pd.DataFrame | Iterable[Mapping], *, impls: Iterable[str] | N
             if (row["case_id"], row["impl"]) not in seen:
                 seen.add((row["case_id"], row["impl"]))
                 violations.append(Violation(row["case_id"], row["impl"], row["reference"], "all", int(row["step"]),
-                                            "crash", row["error"], "", f"the implementation raised: {row['error']}"))
+                                            "crash", row["error"], "", _crash_message(row["error"])))
             continue
         if _text(row, "reference_error"):
             continue  # not the candidate's fault: run_check reports it as an error verdict

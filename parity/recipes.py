@@ -254,5 +254,5 @@ def get_recipe(name: str | Recipe) -> Recipe:
     if recipe is None:
         close = difflib.get_close_matches(str(name), list(RECIPES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise RecipeError(f"unknown recipe {name!r}{hint} Known recipes: {', '.join(RECIPES)}")
+        raise RecipeError(f"unknown recipe {name!r}{hint or ';'} known recipes: {', '.join(RECIPES)}")
     return recipe

@@ -7,7 +7,8 @@ The one writer of every report format. It reads the tidy table of parity.runner.
                              per implementation x tensor, then by K, distribution, layout, dtype
     verdict(frame)           PASS/FAIL of one candidate in one sentence, with the evidence
     write_report(frame, d)   results.csv.gz, summary.md, index.html, env.json and PNG plots in d
-    read_results(path)       a results file or report directory -> the same table
+    read_results(path)       a results file or report directory -> the same table, or a
+                             ResultsError that says what the file is instead
     diff_results(a, b)       the rows whose metrics moved between two runs (render_diff prints it)
 
 SQNR statistics are order statistics (pandas' interpolation="lower"): every number shown was
@@ -18,9 +19,12 @@ A row whose implementation raised has no metrics: it counts as a crash, not in t
 
 from __future__ import annotations
 
+import gzip
 import html
+import io
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,6 +36,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from parity.cases import TENSORS
+from parity.outputs import atomic_write_bytes, atomic_write_text
 from parity.policy import Policy, Violation, evaluate
 
 ACCURACY_REFERENCE = "fp64"
@@ -41,6 +46,11 @@ REQUIRED_COLUMNS = [*KEY, "K", "dist", "input_dtype", "weight_dtype", "input_lay
                     "grad_output_layout", "bitwise", "n_diff", "numel", "sqnr_db", "max_rel_err", "max_abs_err",
                     "max_abs_index", "nan", "inf", "error", "reference_error", "contract", "scaled_mm", "recipe",
                     "policy", "skipped", "operands"]
+# Columns added after the first tables were written (recipes as data). Not upgraded with
+# defaults: recipe and policy decide how every row is judged, and an empty `operands` would claim
+# an operand check that never ran; such a table is refused with "re-run the sweep".
+ADDED_LATER = ["recipe", "policy", "skipped", "operands"]
+BENCH_COLUMNS = ["median_ms", "gpu_ms", "tflops"]  # parity.bench's timings: a benchmark's table, not a sweep's
 LAYOUT_COLUMNS = {"input_layout": "in", "weight_layout": "w", "grad_output_layout": "go"}
 OPERAND_LAYOUTS = [f"{operand}:{letter}" for operand in LAYOUT_COLUMNS.values() for letter in "CTSP"]
 K_BINS, K_LABELS = [0, 64, 256, 1024, 4096, math.inf], ["16-64", "65-256", "257-1024", "1025-4096", ">4096"]
@@ -79,17 +89,41 @@ class Verdict:
     details: list[str] = field(default_factory=list)
 
 
+class ResultsError(ValueError):
+    """A results file that cannot be read as a parity sweep's table: the message names the file,
+    what it is instead (truncated, empty, another table, a benchmark's, an older schema) and the fix."""
+
+
+def _missing(columns) -> list[str]:
+    return [column for column in REQUIRED_COLUMNS if column not in set(columns)]
+
+
 def _validated(frame: pd.DataFrame) -> pd.DataFrame:
     """The frame itself, or a ValueError that says what is wrong with it."""
     if frame.empty:
         raise ValueError("the results table is empty: there is nothing to report (did the run select no cases?)")
-    missing = [column for column in REQUIRED_COLUMNS if column not in frame.columns]
+    missing = _missing(frame.columns)
     if missing:
-        old = {"recipe", "policy", "skipped", "operands"} & set(missing)
         hint = (" (a table written before recipes were data: rerun the sweep that made it)"
-                if old and len(old) == len(missing) else ": is it a table of parity.runner.run_cases?")
+                if set(missing) <= set(ADDED_LATER) else ": is it a table of parity.runner.run_cases?")
         raise ValueError(f"the results table lacks the columns {missing}{hint}")
     return frame
+
+
+def _not_a_sweep(columns) -> str | None:
+    """What a table with these columns is, when it is not a parity sweep's results table."""
+    missing = _missing(columns)
+    if not missing:
+        return None
+    if "sqnr_db" in missing and any(column in set(columns) for column in BENCH_COLUMNS):
+        timings = ", ".join(column for column in BENCH_COLUMNS if column in set(columns))
+        return (f"is a benchmark report, not a parity sweep: it has timings ({timings}) and no sqnr_db "
+                f"(give the results of `fp8-parity sweep`)")
+    if set(missing) <= set(ADDED_LATER):
+        return f"was written by an older fp8-parity (missing columns {', '.join(missing)}): re-run the sweep"
+    shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return (f"is not an fp8-parity results table: it lacks columns {shown} "
+            f"(give the results.csv.gz of `fp8-parity sweep` or its directory)")
 
 
 def _plural(count: int, noun: str) -> str:
@@ -350,12 +384,14 @@ def _standard_plots(frame: pd.DataFrame, candidate: str) -> dict[str, Callable]:
     return plots
 
 
-def _save_figure(path: Path, draw: Callable[[Figure], None]) -> Path:
+def _drawn(name: str, draw: Callable[[Figure], None]) -> bytes:
+    """The image file `name` (its suffix gives the format) that `draw` makes."""
     fig = Figure(layout="constrained")
     FigureCanvasAgg(fig)
     draw(fig)
-    fig.savefig(path, dpi=110)
-    return path
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(name).suffix.lstrip(".") or "png", dpi=110)
+    return buffer.getvalue()
 
 
 def _markdown(title: str, judged: Verdict, env: Mapping, sections: list, images: list[Path]) -> str:
@@ -385,7 +421,8 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-
                  candidate: str = "fp8_impl", verdict: Verdict | None = None,
                  extra_tables: Mapping[str, pd.DataFrame] | None = None,
                  plots: bool = True, extra_plots: Mapping[str, Callable[[Figure], None]] | None = None,
-                 tables: Sequence[tuple[str, str | None, pd.DataFrame]] | None = None) -> list[Path]:
+                 tables: Sequence[tuple[str, str | None, pd.DataFrame]] | None = None,
+                 write_table: bool = True) -> list[Path]:
     """Write the report of `frame` into `out_dir` (created) and return the paths written.
 
     results.csv.gz  the full tidy table (tuples as text; read it back with read_results)
@@ -400,41 +437,68 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, *, title: str = "fp8-
     headline another kind of report. `extra_tables` (heading -> table) follow the summary.
     `tables` ((heading, note, table) sections) replaces the parity summary: then `frame` may be
     any tidy table (a benchmark's), `verdict` is required and plots=False skips the parity plots.
+    write_table=False leaves results.csv.gz and env.json as they are (`report DIR` re-renders
+    from them and must never rewrite its own input); they are then not in the list returned.
+
+    Nothing lost, nothing half-written: every file is rendered in memory first (an error in a
+    table or a plot touches no file), then each is written atomically (parity.outputs): the
+    table and env.json first, summary.md and index.html last, and a summary of the table being
+    replaced is removed before it, so a run cut short never leaves a summary beside a table it
+    does not describe (`fp8-parity report DIR` renders it again).
     """
     if tables is None:
         frame = _validated(frame)
     elif verdict is None:
         raise ValueError("write_report(tables=...) needs a verdict: the default one judges parity rows")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     judged = verdict if verdict is not None else _judge(frame, candidate=candidate)
     env = frame.attrs.get("env", {})
-    frame.to_csv(out / RESULTS_FILE, index=False, compression={"method": "gzip", "mtime": 0})
-    (out / ENV_FILE).write_text(json.dumps(env, indent=2, default=str) + "\n")
     drawings = {**(_standard_plots(frame, candidate) if plots else {}), **(extra_plots or {})}
-    images = [_save_figure(out / name, draw) for name, draw in drawings.items()]
+    images = {out / name: _drawn(name, draw) for name, draw in drawings.items()}
     if tables is None:
         tables = [(*TABLE_HEADINGS[name], table)
                   for name, table in summary_tables(frame).items()]
     sections = [*tables, *((name, None, table) for name, table in (extra_tables or {}).items())]
-    (out / "summary.md").write_text(_markdown(title, judged, env, sections, images))
-    (out / "index.html").write_text(_html(title, judged, env, sections, images))
-    return [out / RESULTS_FILE, out / ENV_FILE, *images, out / "summary.md", out / "index.html"]
+    pages = {out / "summary.md": _markdown(title, judged, env, sections, list(images)),
+             out / "index.html": _html(title, judged, env, sections, list(images))}
+    written = []
+    if write_table:
+        data = {out / RESULTS_FILE: gzip.compress(frame.to_csv(index=False).encode(), mtime=0),
+                out / ENV_FILE: (json.dumps(env, indent=2, default=str) + "\n").encode()}
+        for page in pages:
+            page.unlink(missing_ok=True)  # it describes the table about to be replaced
+        written += [atomic_write_bytes(path, content) for path, content in data.items()]
+    written += [atomic_write_bytes(path, content) for path, content in images.items()]
+    return written + [atomic_write_text(path, text) for path, text in pages.items()]
 
 
 def read_results(path: str | Path) -> pd.DataFrame:
     """The results table from a report directory, or a .csv / .csv.gz / .parquet file (parquet
     needs pyarrow), with attrs["env"] from the env.json beside it. Text stays text (case ids,
-    leading dims like "16"), empty contract/scaled_mm cells are "", index tuples stay strings."""
+    leading dims like "16"), empty contract/scaled_mm cells are "", index tuples stay strings.
+
+    FileNotFoundError when there is no such file; ResultsError (a ValueError) when it is
+    truncated or corrupt, holds no rows, is another table, a benchmark's, or lacks the columns
+    added since it was written."""
     path = Path(path)
     if path.is_dir():
         path = path / RESULTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no results file at {path}: give a report directory or a .csv/.csv.gz/.parquet file")
-    if path.suffix == ".parquet":
-        frame = pd.read_parquet(path)
-    else:  # round_trip parsing reads back exactly the floats that to_csv wrote
-        frame = pd.read_csv(path, dtype={c: "str" for c in TEXT_COLUMNS}, float_precision="round_trip")
+    try:
+        if path.suffix == ".parquet":
+            frame = pd.read_parquet(path)
+        else:  # round_trip parsing reads back exactly the floats that to_csv wrote
+            frame = pd.read_csv(path, dtype={c: "str" for c in TEXT_COLUMNS}, float_precision="round_trip")
+    except pd.errors.EmptyDataError:
+        raise ResultsError(f"{path} holds no results (the file is empty): re-run the sweep") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError, pd.errors.ParserError) as err:
+        raise ResultsError(f"{path} is truncated or corrupt ({err}): re-run the sweep") from None
+    problem = _not_a_sweep(frame.columns)
+    if problem:
+        raise ResultsError(f"{path} {problem}")
+    if frame.empty:
+        raise ResultsError(f"{path} holds no results (a header without rows): re-run the sweep")
     text = {c: frame[c].fillna("") for c in ("contract", "scaled_mm") if c in frame}
     flags = {c: frame[c].astype(bool) for c in ("bitwise", "bias") if c in frame}
     frame = frame.assign(**text, **flags)

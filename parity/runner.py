@@ -12,17 +12,19 @@ finding, never a crash of the harness).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import pandas as pd
 import torch
 from torch import nn
 
-from parity import cpu_gemm, oracles
+from parity import cpu_gemm, oracles, sandbox, worker
 from parity.cases import Case
 from parity.contract import (ScaledMMCall, ScaledMMRecorder, TensorContract, contract_violations,
                              expected_contract, sm90_violations)
@@ -55,11 +57,22 @@ class Execution:
     forward_outputs: list[torch.Tensor] = field(default_factory=list)
 
 
+HARNESS = str(Path(__file__).resolve().parent)
+TORCH = str(Path(torch.__file__).resolve().parent)
+
+
 def _describe_exception(err: BaseException, where: str) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
+    """"<where>: <Type>: <first line> (at file:line)", the line being the deepest frame outside the
+    harness (a problem the harness detects itself, a returned tuple, has no line of its own)."""
+    every = traceback.extract_tb(err.__traceback__)
+    frames = [f for f in every if not f.filename.startswith(HARNESS)]
+    if every and every[-1].filename.startswith(HARNESS):  # raised by the harness: point at the user's code, if any
+        frames = [f for f in frames if not f.filename.startswith(TORCH)]
     at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     message = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{where}: {type(err).__name__}: {message}{at}"
+
+
 
 
 @dataclass(frozen=True)
@@ -90,15 +103,20 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
     if case.bias:
         linear.bias = nn.Parameter(data.bias.to(w_dtype).clone())
     recorder = ScaledMMRecorder(case.M, case.K, case.N, keep_data=keep_data) if record else None
-    where = "building the module"
-    fast_cpu_gemm = cpu_gemm.FastScaledMM() if data.device.type == "cpu" and cpu_gemm.enabled() else None
-    if fast_cpu_gemm is not None:
-        fast_cpu_gemm.__enter__()  # below the recorder: it records the call, then this computes it
+    def at(phase: str) -> str:  # where the code under test is, for a worker that dies there
+        worker.report_phase(impl.name, phase)
+        return phase
+    where = at("building the module")
+    guards = contextlib.ExitStack()
+    guards.enter_context(sandbox.exits_raise())
+    if data.device.type == "cpu" and cpu_gemm.enabled():  # below the recorder: it records a call, this computes it
+        guards.enter_context(cpu_gemm.FastScaledMM())
+    state = sandbox.GlobalState.capture()
     try:
         module, weight, bias = impl.build(linear)
         for step_index, step in enumerate(data.steps):
             if step_index:  # an in-place update, like an optimizer step
-                where = f"step {step_index}: updating the weight in place"
+                where = at(f"step {step_index}: updating the weight in place")
                 with torch.no_grad():
                     weight.copy_(step.weight)
                 weight.grad = None
@@ -107,7 +125,8 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
             input = materialize(step.input, case.input_layout, dtype=in_dtype).requires_grad_()
             grad_output = materialize(step.grad_output, case.grad_output_layout, dtype=in_dtype)
             input_version, weight_version = input._version, weight._version
-            where = f"step {step_index}: forward"
+            weight_before, input_before = weight.detach().clone(), input.detach().clone()
+            where = at(f"step {step_index}: forward")
             if recorder is not None:
                 recorder.phase, recorder.step = "forward", step_index
                 with recorder:
@@ -116,32 +135,64 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
                 output = module(input)
             if not isinstance(output, torch.Tensor):
                 raise TypeError(f"the module returned {type(output).__name__}, not a tensor")
+            if data.device.type == "cuda":  # a kernel's error is asynchronous: make it surface in this phase
+                torch.cuda.synchronize(data.device)
             result.forward_outputs.append(output.detach())
-            where = f"step {step_index}: backward"
+            where = at(f"step {step_index}: backward")
             if recorder is not None:
                 recorder.phase = "backward"
                 with recorder:
                     output.backward(grad_output)
             else:
                 output.backward(grad_output)
-            if input._version != input_version:
+            if input._version != input_version or not _same_values(input, input_before):
                 result.problems.append(f"step {step_index}: the input was modified in place")
-            if weight._version != weight_version:
-                result.problems.append(f"step {step_index}: the weight was modified in place by forward/backward")
+            if weight._version != weight_version or not _same_values(weight, weight_before):
+                result.problems.append(f"step {step_index}: the weight was modified in place by forward/backward"
+                                       + ("" if weight._version != weight_version else " (through .data)"))
+            if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+                result.problems.append(f"step {step_index}: the output shares memory with the input (a view of it)")
+            if data.device.type == "cuda":  # a kernel's error is asynchronous: make it surface in this phase
+                torch.cuda.synchronize(data.device)
             results = dict(output=output.detach(), grad_input=input.grad, grad_weight=weight.grad,
                            grad_bias=None if bias is None else bias.grad)
             result.steps.append(results)
             result.layouts.append({name: t if t is None else TensorContract(t.dtype, tuple(t.shape), tuple(t.stride()))
                                    for name, t in results.items()})
-    except Exception as err:  # noqa: BLE001 - an implementation that raises is a finding
+    except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - an implementation that raises is a finding
+        result.error = _describe_exception(err, where)
+        if data.device.type == "cuda" and _cuda_context_lost(data.device):
+            # an illegal address or a device-side assert poisons this process's CUDA context: nothing
+            # more runs here, so the worker ends and the parent runs the next case on a fresh one
+            worker.end_worker(f"raised a CUDA error that leaves the process's CUDA context unusable "
+                              f"({result.error.split(': ', 1)[-1]})")
+    except KeyboardInterrupt as err:
+        if not worker.in_worker():
+            raise  # the user's Ctrl-C (in a worker SIGINT is ignored: only the code under test raises it)
         result.error = _describe_exception(err, where)
     finally:
-        if fast_cpu_gemm is not None:
-            fast_cpu_gemm.__exit__(None, None, None)
+        changed = state.changes_since()
+        if changed:
+            result.problems.append(f"the implementation changed global state: {'; '.join(changed)} (restored)")
+        guards.close()
     if recorder is not None:
         result.calls = recorder.calls
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _cuda_context_lost(device: torch.device) -> bool:
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add(1).item()
+        return False
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return True
+
+
+def _same_values(tensor: torch.Tensor, before: torch.Tensor) -> bool:
+    now = tensor.detach()
+    return bool(((now == before) | (now.isnan() & before.isnan())).all())
 
 
 def _move_to_host(execution: Execution) -> None:
@@ -239,6 +290,43 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
                     rounding_chain=oracles.rounding_chain(case, tensor, recipe),
                     bias=data.bias if tensor == "output" and case.bias else None)
     return rows
+
+
+def crash_rows(case: Case, comparisons: Sequence[Comparison], message: str, *, culprit: str,
+               device_type: str) -> list[dict]:
+    """The rows of a case that did not come back (its worker died): an error of the implementation
+    that was running (`culprit`), or of the reference when it was the reference."""
+    rows = []
+    for comparison in comparisons:
+        for row in skipped_rows(case, comparison, "", device_type=device_type):
+            row["skipped"] = None
+            if comparison.reference.name == culprit and comparison.impl.name != culprit:
+                row["reference_error"] = message
+            else:
+                row["error"] = message
+            rows.append(row)
+    return rows
+
+
+def run_case_isolated(case: Case, comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",
+                      runner: "worker.Worker | None" = None, time_limit: float | None = None) -> list[dict]:
+    """run_case in a worker process (parity.worker): a death or a hang of the code under test is a
+    finding for this case. Without a worker (`runner` None) it runs in this process."""
+    if runner is None:
+        return run_case(case, comparisons, device=device)
+    device_type = torch.device(device).type
+    limit = time_limit or worker.default_time_limit(case.M, case.K, case.N, device_type)
+    key = runner.remember(f"comparisons-{id(comparisons)}-{len(comparisons)}", list(comparisons))
+    if isinstance(key, worker.Died):  # the implementations could not even be sent (an import that exits)
+        return worker.died_rows(case, comparisons, key, device_type=device_type)
+    outcome = runner.call(_run_remembered, case, key, str(device), time_limit=limit)
+    if isinstance(outcome, worker.Died):
+        return worker.died_rows(case, comparisons, outcome, device_type=device_type)
+    return outcome
+
+
+def _run_remembered(case: Case, key: str, device: str) -> list[dict]:
+    return run_case(case, worker.recall(key), device=device)
 
 
 def run_case(case: Case, comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",

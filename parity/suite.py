@@ -22,7 +22,8 @@ from parity.data import CaseData, make_data
 from parity.impls import Impl, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Violation
-from parity.runner import run_case
+from parity.runner import run_case_isolated
+from parity.worker import Died, default_time_limit, isolation, torch_device_type
 
 # Largest K, N and M the strategies draw, per hypothesis profile (the GPU affords larger shapes).
 MAX_DIM = {"dev": 128, "ci": 128, "gpu": 1024, "thorough": 512}
@@ -65,12 +66,33 @@ class Suite:
     def data(self, case: Case) -> CaseData:
         return make_data(case, self.device)
 
+    @functools.cached_property
+    def runner(self):
+        """The worker process that runs the candidate when it is not a built-in (parity.worker): an
+        implementation that exits, hangs or segfaults fails its test instead of ending the session."""
+        return isolation(self.plan.comparisons, self.device).__enter__()
+
+    def close(self) -> None:
+        runner = self.__dict__.pop("runner", None)
+        if runner is not None:
+            runner.__exit__(None, None, None)
+
     def run(self, case: Case, plan: CheckPlan | None = None) -> tuple[list[dict], list[Violation]]:
         """Rows and violations of the candidate against the plan's references on `case`."""
         plan = plan or self.plan
-        rows = run_case(case, plan.comparisons, device=self.device)
+        rows = run_case_isolated(case, plan.comparisons, device=self.device, runner=self.runner)
         self.rows.extend(rows)
         return rows, plan.judge(rows)
+
+    def call(self, case: Case, fn, *args):
+        """fn(*args), in the worker process when there is one; a death or a hang fails the test."""
+        if self.runner is None:
+            return fn(*args)
+        outcome = self.runner.call(fn, *args, time_limit=default_time_limit(
+            case.M, case.K, case.N, torch_device_type(self.device)))
+        if isinstance(outcome, Died):
+            self.fail("the implementation did not come back", case, [outcome.message])
+        return outcome
 
     def rerun_command(self, case: Case) -> str:
         current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests").split(" ")[0]
@@ -103,6 +125,7 @@ def configure(*, impl: str, against: str, device: str, case_id: str | None, prof
     """Point SUITE at an implementation (called by conftest.py once options are parsed)."""
     SUITE.impl_spec, SUITE.against_spec, SUITE.device, SUITE.case_id = impl, against, device, case_id
     SUITE.max_dim = MAX_DIM.get(profile, 128)
+    SUITE.close()
     for cached in ("candidate", "reference", "plan"):
         SUITE.__dict__.pop(cached, None)
     return SUITE

@@ -22,7 +22,8 @@ from parity.cases import Case, Dist, Layout, edge_cases
 from parity.env import environment
 from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
 from parity.policy import Policy, default_policy
-from parity.runner import Comparison, run_case
+from parity.runner import Comparison, run_case_isolated
+from parity.worker import isolation
 from parity.strategies import cases as case_strategy
 
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16")
@@ -127,22 +128,59 @@ def sample_cases(count: int, *, max_dim: int = 256, seed: int = 0, alignment: in
     return unique[:count]
 
 
+class SweepInterrupted(Exception):
+    """A sweep stopped by Ctrl-C or SIGTERM: `frame` holds the cases that finished."""
+
+    def __init__(self, frame: pd.DataFrame, cause: KeyboardInterrupt):
+        super().__init__(f"interrupted after {frame.attrs['done']} of {frame.attrs['planned']} cases")
+        self.frame, self.cause = frame, cause
+
+
 def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[Comparison], *,
-              device: str, progress: Callable[[int, int, float], None] | None = None) -> pd.DataFrame:
-    """All cases -> one tidy DataFrame (column `shape` holds the named shape or 'sampled')."""
-    records, start = [], time.perf_counter()
-    for index, (label, case) in enumerate(labelled_cases):
-        for row in run_case(case, comparisons, device=device):
-            row["shape"] = label
-            records.append(row)
-        if device == "cuda":
-            torch.cuda.empty_cache()  # large named shapes would otherwise pile up cached blocks
-        if progress is not None:
-            progress(index + 1, len(labelled_cases), time.perf_counter() - start)
-    frame = pd.DataFrame.from_records(records)
-    frame.attrs["env"] = environment(device)
-    frame.attrs["env"]["seconds"] = round(time.perf_counter() - start, 1)
-    return frame
+              device: str, progress: Callable[[int, int, float], None] | None = None,
+              isolate: bool | None = None,
+              time_limit: float | None = None, done: pd.DataFrame | None = None,
+              checkpoint: Callable[[pd.DataFrame], None] | None = None,
+              checkpoint_seconds: float = 15.0) -> pd.DataFrame:
+    """All cases -> one tidy DataFrame (column `shape` holds the named shape or 'sampled').
+
+    Each case runs in a worker process (`isolate`; by default when any implementation is not a
+    built-in: parity.worker.isolation) within `time_limit` seconds, so
+    an implementation that dies or hangs is a finding of its case and the sweep goes on. `done`
+    holds the rows of an interrupted sweep: its cases are not run again. `checkpoint(frame)` gets
+    the rows so far every `checkpoint_seconds`. A Ctrl-C or SIGTERM stops the sweep at once (the
+    running case is dropped) and raises SweepInterrupted with the rows of the finished cases.
+    The frame's attrs: env, done and planned (cases)."""
+    records = [] if done is None else done.to_dict("records")
+    finished = {(row["shape"], row["case_id"]) for row in records}
+    todo = [(label, case) for label, case in labelled_cases if (label, case.id) not in finished]
+    start = last_checkpoint = time.perf_counter()
+
+    def frame_of(count: int) -> pd.DataFrame:
+        frame = pd.DataFrame.from_records(records)
+        frame.attrs["env"] = environment(device)
+        frame.attrs["env"]["seconds"] = round(time.perf_counter() - start, 1)
+        frame.attrs.update(done=len(labelled_cases) - len(todo) + count, planned=len(labelled_cases))
+        return frame
+
+    count = 0  # cases of `todo` whose rows are all in `records`
+    try:
+        with isolation(comparisons, device, isolate) as runner:
+            for label, case in todo:
+                rows = run_case_isolated(case, comparisons, device=device, runner=runner, time_limit=time_limit)
+                rows = [{**row, "shape": label} for row in rows]
+                records.extend(rows)  # one step: an interrupt never leaves half a case
+                count += 1
+                if device == "cuda" and runner is None:
+                    torch.cuda.empty_cache()  # large named shapes would otherwise pile up cached blocks
+                if progress is not None:
+                    progress(len(labelled_cases) - len(todo) + count, len(labelled_cases), time.perf_counter() - start)
+                if checkpoint is not None and time.perf_counter() - last_checkpoint > checkpoint_seconds:
+                    checkpoint(frame_of(count))
+                    last_checkpoint = time.perf_counter()
+    except KeyboardInterrupt as cause:
+        raise SweepInterrupted(frame_of(count), cause) from None
+    return frame_of(count)
 
 
 def named_shape_table(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> pd.DataFrame:

@@ -77,12 +77,18 @@ def main() -> None:
     parser.add_argument("--set", default="heldout", help="the folder of the set (heldout, heldout2)")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--shard", default="0/1", help="I/N: only the entries whose index is I modulo N")
     args = parser.parse_args()
     import pandas as pd
     manifest = json.loads((SETS / args.set / "manifest.json").read_text())
     device_key = "cuda" if args.device == "cuda" else "cpu"
-    rows = [evaluate(entry, args.device) for entry in manifest
-            if device_key in entry["devices"] and (args.only is None or entry["name"] in args.only)]
+    shard, shards = (int(part) for part in args.shard.split("/"))
+    rows = []
+    for index, entry in enumerate(manifest):
+        if device_key in entry["devices"] and (args.only is None or entry["name"] in args.only) \
+                and index % shards == shard:
+            rows.append(evaluate(entry, args.device))
+            print(json.dumps(rows[-1]), flush=True)  # as it goes: a run cut short keeps what it scored
     table = pd.DataFrame.from_records(rows)
     print(table.to_markdown(index=False))
     bugs, clean = table[table["expected"].str.startswith("none") == False], table[table["expected"].str.startswith("none")]  # noqa: E712,E501

@@ -19,7 +19,7 @@ from property_tests.mutants import BY_NAME
 
 MUTANTS = "property_tests/mutants.py"
 JSON_KEYS = {"verdict", "impl", "reference", "policy", "device", "cases_run", "seconds", "minimal_case", "failures",
-             "error", "rerun", "env", "recipe", "skipped"}
+             "error", "rerun", "env", "recipe", "skipped", "note"}
 FAILURE_KEYS = {"case_id", "tensor", "step", "metric", "value", "allowed", "message"}
 
 

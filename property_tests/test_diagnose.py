@@ -80,6 +80,34 @@ USER_CODE = textwrap.dedent('''
 
     def wrong_then_crash(input_2d, weight):
         return _WrongThenCrash.apply(input_2d, weight)
+
+
+    class _SwappedOutputGemm(torch.autograd.Function):
+        """The output GEMM as its transpose, weight_fp8 @ input_fp8.T (exact operands), the result
+        transposed back; the backward in bf16."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight, contiguous):
+            from fp8_impl.matmul import to_float8
+            ctx.save_for_backward(input_2d, weight)
+            x, sx = to_float8(input_2d, torch.float8_e4m3fn)
+            w, sw = to_float8(weight, torch.float8_e4m3fn)
+            out = torch._scaled_mm(w, x.t(), scale_a=sw, scale_b=sx, out_dtype=input_2d.dtype,
+                                   use_fast_accum=True).t()
+            return out.contiguous() if contiguous else out
+
+        @staticmethod
+        def backward(ctx, grad):
+            input_2d, weight = ctx.saved_tensors
+            return grad @ weight.to(grad.dtype), (grad.t() @ input_2d.to(grad.dtype)).to(weight.dtype), None
+
+
+    def swapped_output_view(input_2d, weight):
+        return _SwappedOutputGemm.apply(input_2d, weight, False)
+
+
+    def swapped_output_contiguous(input_2d, weight):
+        return _SwappedOutputGemm.apply(input_2d, weight, True)
 ''')
 
 
@@ -117,6 +145,16 @@ def test_a_crash_does_not_hide_the_numbers_before_it(user_file):
     result = bisect(user_file, "wrong_then_crash")
     assert (result.category, result.first, result.operand) == ("fp8_dtype", "output", "weight"), result.evidence
     assert result.crash is not None and "mat1 and mat2 shapes" in result.crash["message"]
+
+
+def test_a_gemm_computed_as_its_transpose_is_not_an_operand_bug(user_file):
+    """A and B swapped (B^T A^T, exact operands) is a legitimate formulation: returned as a
+    transposed view, the output's strides are the finding (contract); made contiguous, the output
+    GEMM has nothing wrong and the first finding is a later GEMM's."""
+    result = bisect(user_file, "swapped_output_view")
+    assert (result.category, result.first, result.operand) == ("contract", "output", "result"), result.evidence
+    result = bisect(user_file, "swapped_output_contiguous")
+    assert result.first != "output", result.evidence
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])

@@ -90,7 +90,7 @@ EQUIVARIANCES = [r for r in RELATIONS if r.name != "determinism"]
 @example(case=Case(lead=(2, 16), K=48, N=48, bias=True))
 def test_equivariance(relation, case):
     assume(relation.applies(case))
-    result = check_relation(relation, SUITE.candidate, SUITE.data(case))
+    result = SUITE.call(case, check_relation, relation, SUITE.candidate, SUITE.data(case))
     if not result.holds:
         SUITE.fail(f"relation '{relation.name}' does not hold: {relation.description}", case,
                    [result.error or "", *result.broken])
@@ -100,7 +100,7 @@ def test_equivariance(relation, case):
 
 @given(case=any_case(dists=(Dist.ZEROS,)))
 def test_zeros_give_zeros(case):
-    execution = execute(SUITE.candidate, SUITE.data(case))
+    execution = SUITE.call(case, execute, SUITE.candidate, SUITE.data(case))
     if execution.error:
         SUITE.fail("all-zero data crashed the implementation", case, [execution.error])
     for step in execution.steps:
@@ -124,7 +124,7 @@ def test_large_values_saturate_never_nan(case, magnitude):
     for step in data.steps:
         step.input = (step.input.double() * magnitude).to(step.input.dtype)
         assume(bool(step.input.isfinite().all()))  # the input itself must fit its dtype (fp16: 65504)
-    execution = execute(SUITE.candidate, data)
+    execution = SUITE.call(case, execute, SUITE.candidate, data)
     if execution.error:
         SUITE.fail("large values crashed the implementation", case, [execution.error])
     for index, step in enumerate(execution.steps):
@@ -141,7 +141,8 @@ def test_large_values_saturate_never_nan(case, magnitude):
 
 @given(case=any_case())
 def test_determinism(case):
-    result = check_relation(next(r for r in RELATIONS if r.name == "determinism"), SUITE.candidate, SUITE.data(case))
+    determinism = next(r for r in RELATIONS if r.name == "determinism")
+    result = SUITE.call(case, check_relation, determinism, SUITE.candidate, SUITE.data(case))
     if not result.holds:
         SUITE.fail("the same call twice gives different results", case, [result.error or "", *result.broken])
 
@@ -149,7 +150,7 @@ def test_determinism(case):
 @given(case=any_case(max_steps=3).filter(lambda c: c.steps >= 2))
 @example(case=Case(lead=(32,), K=64, N=48, steps=2))
 def test_results_follow_in_place_weight_update(case):
-    result = check_weight_update(SUITE.candidate, SUITE.data(case))
+    result = SUITE.call(case, check_weight_update, SUITE.candidate, SUITE.data(case))
     if not result.holds:
         SUITE.fail("after an in-place weight update the results do not follow the new weight", case,
                    [result.error or "", *result.broken])

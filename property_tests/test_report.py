@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import math
 import re
 import xml.etree.ElementTree as ElementTree
@@ -14,7 +15,10 @@ from matplotlib.image import imread
 
 from parity.cases import Case
 from parity.impls import load_impl
-from parity.report import KEY, diff_results, read_results, render_diff, summary_tables, verdict, write_report
+from parity import report as report_module
+from parity.bench import COLUMNS as BENCH_COLUMNS
+from parity.report import (ADDED_LATER, KEY, ResultsError, diff_results, read_results, render_diff, summary_tables,
+                           verdict, write_report)
 from parity.runner import all_pairs, run_cases
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -189,3 +193,101 @@ def test_sqnr_statistics_are_measured_values_in_order(results, values):
     median, p05, low = row["SQNR median (dB)"], row["SQNR p05 (dB)"], row["SQNR min (dB)"]
     assert {median, p05, low} <= set(values)  # order statistics: never an interpolated inf - inf = NaN
     assert low <= p05 <= median and low == min(values)
+
+
+def _results_file(report, results, tmp_path, kind: str):
+    """A results.csv.gz of `kind` in tmp_path (one of the tables read_results must refuse)."""
+    out, _ = report
+    path = tmp_path / "results.csv.gz"
+    table = (out / "results.csv.gz").read_bytes()
+    if kind == "truncated":
+        path.write_bytes(table[:len(table) // 2])
+    elif kind == "corrupt":
+        path.write_bytes(table[:40] + bytes(b ^ 0xFF for b in table[40:80]) + table[80:])
+    elif kind == "not gzip":
+        path.write_text(",".join(KEY) + "\n")
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "header only":
+        path.write_bytes(gzip.compress(results.iloc[:0].to_csv(index=False).encode()))
+    elif kind == "foreign":
+        pd.DataFrame({"name": ["a", "b"], "score": [1.0, 2.0]}).to_csv(path, index=False)
+    elif kind == "bench":
+        row = dict.fromkeys(BENCH_COLUMNS, 1.0) | {"preset": "small", "shape": "16x16x16", "impl": "fp8_impl",
+                                                   "recipe": "tensorwise", "error": None}
+        pd.DataFrame([row], columns=BENCH_COLUMNS).to_csv(path, index=False)
+    elif kind == "old schema":
+        results.drop(columns=ADDED_LATER).to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("truncated", r"is truncated or corrupt \(Compressed file ended before the end-of-stream marker was reached\): "
+                  r"re-run the sweep$"),
+    ("corrupt", r"is truncated or corrupt \(.+\): re-run the sweep$"),
+    ("not gzip", r"is truncated or corrupt \(Not a gzipped file"),
+    ("empty", r"holds no results \(the file is empty\)"),
+    ("header only", r"holds no results \(a header without rows\)"),
+    ("foreign", r"is not an fp8-parity results table: it lacks columns case_id, impl, reference, tensor, step, "),
+    ("bench", r"is a benchmark report, not a parity sweep: it has timings \(median_ms, gpu_ms, tflops\) "
+              r"and no sqnr_db"),
+    ("old schema", r"was written by an older fp8-parity \(missing columns recipe, policy, skipped, operands\): "
+                   r"re-run the sweep$"),
+])
+@pytest.mark.parametrize("given", ["file", "directory"])
+def test_read_results_refuses_what_is_not_a_sweep_table(report, results, tmp_path, kind, says, given):
+    path = _results_file(report, results, tmp_path, kind)
+    with pytest.raises(ResultsError, match=says) as caught:
+        read_results(path if given == "file" else tmp_path)
+    assert str(caught.value).startswith(f"{path} ")
+    assert isinstance(caught.value, ValueError) and "\n" not in str(caught.value)
+
+
+def test_read_results_of_a_missing_file_stays_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_results(tmp_path / "nothing.csv.gz")
+    with pytest.raises(FileNotFoundError):
+        read_results(tmp_path)  # a directory without results.csv.gz
+
+
+def _snapshot(directory):
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.iterdir())}
+
+
+def test_write_report_without_the_table_leaves_it_and_rewrites_the_summary(results, tmp_path):
+    write_report(results, tmp_path, plots=False)
+    before = _snapshot(tmp_path)
+    paths = write_report(read_results(tmp_path), tmp_path, title="re-rendered", plots=False, write_table=False)
+    after = _snapshot(tmp_path)
+    assert {p.name for p in paths} == {"summary.md", "index.html"}
+    for name in ("results.csv.gz", "env.json"):
+        assert after[name] == before[name]  # bytes and mtime: never rewritten
+    assert after["summary.md"][0].startswith(b"# re-rendered\n") and after["summary.md"] != before["summary.md"]
+    assert not [name for name in after if name.startswith(".")]  # no temp file left
+
+
+def test_a_report_that_fails_while_rendering_touches_no_file(results, tmp_path):
+    write_report(results, tmp_path, plots=False)
+    before = _snapshot(tmp_path)
+
+    def broken(fig):
+        raise RuntimeError("a plot that fails")
+
+    with pytest.raises(RuntimeError, match="a plot that fails"):
+        write_report(results.iloc[:-1], tmp_path, title="changed", plots=False, extra_plots={"x.png": broken})
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_report_cut_short_never_leaves_the_old_summary_beside_a_new_table(results, tmp_path, monkeypatch):
+    write_report(results, tmp_path, plots=False)
+    old_table = (tmp_path / "results.csv.gz").read_bytes()
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_module, "atomic_write_text", cut)  # killed after the table, before the summary
+    with pytest.raises(KeyboardInterrupt):
+        write_report(results.iloc[:-1], tmp_path, plots=False)
+    assert (tmp_path / "results.csv.gz").read_bytes() != old_table
+    assert len(read_results(tmp_path)) == len(results) - 1  # the new table, whole
+    assert not (tmp_path / "summary.md").exists() and not (tmp_path / "index.html").exists()

@@ -1,0 +1,339 @@
+"""Running the implementation under test in a worker process, with a time limit.
+
+Code under test may exit the process (sys.exit, os._exit), abort, segfault, hang, spin, run out
+of memory, raise KeyboardInterrupt or print megabytes. None of that may end a run early or, worse,
+read as a pass. So every case runs in a worker process kept alive across cases; the verdict is
+computed in the parent from the rows the worker sends back. A worker that dies (any exit code, any
+signal) or runs past the case's time limit is a finding for that case, with what happened and
+where ("the implementation exited the process with code 0 during step 0: forward"), and the run
+goes on with the next case on a fresh worker. In the worker SIGINT is ignored (a Ctrl-C is the
+parent's to handle: it stops the run), stdout and stderr go to a file (the tail is kept for the
+finding), and on the CPU the address space is capped so that an unbounded allocation fails inside
+the implementation instead of taking the machine down.
+
+CPU workers come from a fork server (a clean process that imported torch and never ran a kernel:
+a process forked after OpenMP has run deadlocks in its first parallel region, and the parent has
+run kernels); CUDA workers spawn (a CUDA context does not survive a fork). Either way a worker
+rebuilds implementations from their names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import types
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+PHASE_BYTES = 512
+SEPARATOR = "\x1f"  # between the implementation's name and its phase in the shared buffer
+MEMORY_SHARE = 0.75  # a CPU worker may map this share of the machine's memory
+
+
+@dataclass(frozen=True)
+class Died:
+    """A worker that did not come back with a result."""
+
+    what: str  # "exited the process with code 0", "was killed by signal SIGSEGV", "ran past its time limit of 5 s"
+    impl: str  # the implementation that was running ("" before any)
+    phase: str  # where it was: "step 0: forward"
+    output: str  # the tail of what it printed
+
+    @property
+    def message(self) -> str:
+        where = f" during {self.phase}" if self.phase else ""
+        printed = f" (its last output: {self.output!r})" if self.output else ""
+        return f"the implementation {self.what}{where}{printed}"
+
+
+class WorkerError(RuntimeError):
+    """The harness itself raised inside the worker: a bug of the harness, with the worker's traceback."""
+
+
+def default_time_limit(M: int, K: int, N: int, device_type: str) -> float:
+    """Seconds a case may take: a floor for imports, compilation and Triton autotuning of the first
+    calls, plus the case's work at a pessimistic rate (float64 emulations on a 2-core CPU run
+    about 1e9 multiply-adds per second; an H200 1e12)."""
+    rate = 1e12 if device_type == "cuda" else 1e9
+    return 120.0 + 40 * M * K * N / rate
+
+
+# ---- inside the worker ------------------------------------------------------------------------------------
+
+_PHASE = None  # the shared buffer, in a worker
+_CONN = None  # the pipe to the parent, in a worker
+
+
+def in_worker() -> bool:
+    return _PHASE is not None
+
+
+_STORE: dict = {}  # values the parent sent once (Worker.remember), in a worker
+
+
+def _store(key: str, value: Any) -> None:
+    _STORE[key] = value
+
+
+def recall(key: str) -> Any:
+    """A value the parent sent with Worker.remember (in the worker)."""
+    return _STORE[key]
+
+
+def report_phase(impl: str, phase: str) -> None:
+    """Where the code under test is (called by parity.runner.execute); a no-op outside a worker."""
+    if _PHASE is not None:
+        _PHASE.value = f"{impl}{SEPARATOR}{phase}".encode()[: PHASE_BYTES - 1]
+
+
+def end_worker(what: str) -> None:
+    """Give up this worker from inside a task: the parent reads `what` as how the implementation
+    ended it (a CUDA error that leaves the process's CUDA context unusable: every later kernel
+    would fail, so the next case needs a fresh process). Returns only outside a worker."""
+    if _CONN is None:
+        return
+    try:
+        _CONN.send(("ended", what))
+    finally:
+        os._exit(70)
+
+
+def _serve(conn, phase, output_path: str, memory_bytes: int | None) -> None:
+    global _PHASE, _CONN
+    _PHASE, _CONN = phase, conn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's; one raised by the code is a finding
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    out = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    if memory_bytes:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        except Exception as err:  # noqa: BLE001 - what was sent does not unpickle here: the harness's error
+            conn.send(("raised", f"the worker could not read its task: {type(err).__name__}: {err}",
+                       traceback.format_exc()))
+            continue
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            reply = ("ok", fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - the harness's own error: sent back with its traceback
+            reply = ("raised", f"{type(err).__name__}: {err}", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception as err:  # noqa: BLE001 - an unpicklable result
+            conn.send(("raised", f"the result could not be sent back: {err}", traceback.format_exc()))
+    os._exit(0)
+
+
+# ---- in the parent --------------------------------------------------------------------------------------
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def _context(device_type: str):
+    if device_type == "cuda":
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["parity.preload"])  # counts only before the server's first start
+    return context
+
+
+@contextlib.contextmanager
+def _main_not_rerun():
+    """Hide __main__ while a worker or the fork server starts. A worker needs nothing from it (its
+    code lives in parity), and otherwise spawn and forkserver re-run the caller's script in every
+    worker: a script that calls fp8-parity without an `if __name__ == "__main__":` guard would run
+    itself again, or fail with multiprocessing's bootstrapping error."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def warm_up() -> None:
+    """Start the CPU workers' fork server now, so that its imports run while this process does its
+    own (a command calls this first thing: seconds saved on a two-core laptop)."""
+    from multiprocessing import forkserver
+    _context("cpu")
+    with _main_not_rerun():
+        forkserver.ensure_running()
+
+
+def isolation(comparisons: Sequence, device: str, isolate: bool | None = None):
+    """A Worker for the code under test of `comparisons`, or a null context where nothing needs one.
+    isolate=None decides: a worker when any implementation is not a built-in (the harness's own
+    fp8_impl, torchao, emulations and nn.Linear run in this process, which saves a worker's
+    imports: seconds on a laptop)."""
+    from parity.impls import BUILTINS
+    if isolate is None:
+        isolate = any(impl.name not in BUILTINS for c in comparisons for impl in (c.impl, c.reference))
+    return Worker(torch_device_type(device)) if isolate else contextlib.nullcontext()
+
+
+def torch_device_type(device) -> str:
+    return str(device).split(":")[0]
+
+
+class Worker:
+    """One worker process, started on first use and again after a death."""
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+        self._context = _context(device_type)
+        self._process = self._conn = self._phase = None
+        self._sent: set[str] = set()
+        self._output = tempfile.NamedTemporaryFile(prefix="fp8-parity-worker-", suffix=".log", delete=False)
+        self._output.close()
+
+    def _start(self) -> None:
+        self._sent: set[str] = set()
+        self._phase = self._context.Array("c", PHASE_BYTES, lock=False)
+        parent, child = self._context.Pipe()
+        memory = None
+        if self.device_type != "cuda" and hasattr(os, "sysconf"):
+            try:
+                memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MEMORY_SHARE)
+            except (ValueError, OSError):
+                memory = None
+        self._process = self._context.Process(target=_serve, args=(child, self._phase, self._output.name, memory),
+                                              daemon=True)
+        with _main_not_rerun():
+            self._process.start()
+        child.close()
+        self._conn = parent
+
+    def _where(self) -> tuple[str, str]:
+        text = bytes(self._phase.value).decode(errors="replace") if self._phase is not None else ""
+        impl, _, phase = text.partition(SEPARATOR)
+        return impl, phase
+
+    def _tail(self) -> str:
+        try:
+            with open(self._output.name, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 200))
+                return f.read().decode(errors="replace").strip().splitlines()[-1][:160] if size else ""
+        except (OSError, IndexError):
+            return ""
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+        if self._process is not None:
+            self._process.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+        self._process = self._conn = None
+
+    def remember(self, key: str, value: Any) -> "str | Died":
+        """Keep `value` in the worker under `key` (sent once per worker process; see recall)."""
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        if key not in self._sent:
+            outcome = self.call(_store, key, value, time_limit=120.0)
+            if isinstance(outcome, Died):
+                return outcome
+            self._sent.add(key)
+        return key
+
+    def call(self, fn: Callable, *args, time_limit: float = math.inf, **kwargs) -> Any | Died:
+        """fn(*args, **kwargs) in the worker: its result, or Died. A KeyboardInterrupt in the parent
+        kills the worker and propagates."""
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        self._phase.value = b""
+        self._conn.send((fn, args, kwargs))
+        deadline = last = time.monotonic()
+        deadline += time_limit
+        spent: dict[tuple[str, str], float] = {}  # seconds seen in each (implementation, phase)
+        try:
+            while True:
+                now = time.monotonic()
+                where = self._where()
+                spent[where] = spent.get(where, 0.0) + now - last
+                last = now
+                if self._conn.poll(0.05):
+                    try:
+                        kind, *payload = self._conn.recv()
+                    except (EOFError, OSError):
+                        return self._died()
+                    if kind == "ok":
+                        return payload[0]
+                    if kind == "ended":
+                        impl, phase = self._where()
+                        self._kill()
+                        return Died(payload[0], impl, phase, self._tail())
+                    raise WorkerError(f"{payload[0]}\n--- in the worker ---\n{payload[1]}")
+                if not self._process.is_alive():
+                    return self._died()
+                if time.monotonic() > deadline:
+                    # the implementation that used most of the time, not the one that happened to run last
+                    by_impl: dict[str, float] = {}
+                    for (name, _), seconds in spent.items():
+                        by_impl[name] = by_impl.get(name, 0.0) + seconds
+                    impl = max(by_impl, key=by_impl.get)
+                    phase = max((key for key in spent if key[0] == impl), key=spent.get)[1]
+                    self._kill()
+                    return Died(f"ran past its time limit of {time_limit:.0f} s", impl, phase, self._tail())
+        except BaseException:
+            self._kill()
+            raise
+
+    def _died(self) -> Died:
+        self._process.join(timeout=5)
+        code = self._process.exitcode
+        impl, phase = self._where()
+        what = (f"was killed by signal {_signal_name(-code)}" if code is not None and code < 0 else
+                f"exited the process with code {code}")
+        if code == -signal.SIGKILL:
+            what += " (out of memory?)"
+        self._kill()
+        return Died(what, impl, phase, self._tail())
+
+    def close(self) -> None:
+        if self._conn is not None and self._process is not None and self._process.is_alive():
+            try:
+                self._conn.send(None)
+                self._process.join(timeout=2)
+            except (OSError, BrokenPipeError):
+                pass
+        self._kill()
+        try:
+            os.unlink(self._output.name)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def died_rows(case, comparisons: Sequence, died: Died, *, device_type: str) -> list[dict]:
+    """The rows of a case whose worker died: the implementation that was running is the one
+    that crashed (a reference that kills the process is a reference error)."""
+    from parity.runner import crash_rows
+    return crash_rows(case, comparisons, died.message, culprit=died.impl, device_type=device_type)

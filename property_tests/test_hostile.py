@@ -1,0 +1,352 @@
+"""The hostile corpus: implementations that exit, hang, crash, spam, mutate their arguments or
+corrupt torch's global state (property_tests/hostile/, described entry by entry in its
+manifest.json), and bad command lines. Each entry runs through the CLI as a user would and must
+end with its stated exit code, a first line that says what happened, the specific finding, and no
+traceback. A run that was cut short must never read as a pass.
+
+Exit codes: 0 pass, 1 a finding, 2 bad input, 4 an incomplete report, 125 cannot run here,
+130/143 interrupted by SIGINT/SIGTERM.
+
+Three implementations of the corpus pass, honestly: fwd_stdout_spam and bwd_stderr_spam print
+megabytes but compute the right numbers (the test asserts that none of it reaches the user), and
+slow_3s is only slow (it fails here because its --timeout is 1 s). Everything else must fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from parity import cli, sweep
+from parity.cases import Case
+from parity.impls import load_impl
+from parity.report import ADDED_LATER, write_report
+from parity.runner import all_pairs, run_cases
+
+HOSTILE = Path(__file__).parent / "hostile"
+MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
+CASE = "M16K32N16"  # one small case: the corpus is about what the code does, not about numerics
+MAX_OUTPUT = 20_000  # characters: more means the implementation's own printing reached the user
+
+
+@dataclass(frozen=True)
+class Expect:
+    code: int
+    first: str  # a regex the first line of the output must match
+    says: str = ""  # a regex the output must contain: the specific finding
+    timeout: float = 20.0  # --timeout of the check (a hang must end within it)
+
+
+FAIL = r"^FAIL: property_tests/hostile/"
+CRASH = r"\[crash\] the implementation "
+STATE = r"\[contract\] output: the implementation changed global state: "
+
+# One expectation per manifest entry (test_every_manifest_entry_has_an_expectation keeps them in step).
+IMPLEMENTATIONS: dict[str, Expect] = {
+    "fwd_sys_exit0": Expect(1, FAIL, CRASH + r"raised: step 0: forward: SystemExit: 0 \(at .*impls.py:\d+\)"),
+    "fwd_sys_exit3": Expect(1, FAIL, CRASH + r"raised: step 0: forward: SystemExit: 3"),
+    "fwd_os_exit0": Expect(1, FAIL, CRASH + r"raised: step 0: forward: ProcessExit: os._exit\(0\) was called"),
+    "fwd_os_exit1": Expect(1, FAIL, CRASH + r"raised: step 0: forward: ProcessExit: os._exit\(1\) was called"),
+    "bwd_sys_exit0": Expect(1, FAIL, CRASH + r"raised: step 0: backward: SystemExit: 0"),
+    "bwd_os_exit0": Expect(1, FAIL, CRASH + r"raised: step 0: backward: ProcessExit: os._exit\(0\)"),
+    "fwd_keyboard_interrupt": Expect(1, FAIL, CRASH + r"raised: step 0: forward: KeyboardInterrupt"),
+    "bwd_system_exit": Expect(1, FAIL, CRASH + r"raised: step 0: backward: SystemExit: 5"),
+    "fwd_generator_exit": Expect(1, FAIL, CRASH + r"raised: step 0: forward: GeneratorExit"),
+    "exits_on_import": Expect(2, r"^fp8-parity check: importing '.*exits_on_import.py' exited the process "
+                                 r"\(sys.exit\(0\)\): an implementation must not exit at import$"),
+    "raises_on_import": Expect(2, r"^fp8-parity check: cannot import '.*raises_on_import.py': RuntimeError: "),
+    "fwd_sleep_forever": Expect(1, FAIL, CRASH + r"ran past its time limit of 2 s during step 0: forward", 2),
+    "bwd_busy_loop": Expect(1, FAIL, CRASH + r"ran past its time limit of 2 s during step 0: backward", 2),
+    "slow_3s": Expect(1, FAIL, CRASH + r"ran past its time limit of 1 s during step 0: forward", 1),
+    "fwd_segfault": Expect(1, FAIL, CRASH + r"was killed by signal SIGSEGV during step 0: forward"),
+    "bwd_abort": Expect(1, FAIL, CRASH + r"was killed by signal SIGABRT during step 0: backward"),
+    # it allocates until the worker's address-space cap (3/4 of the machine's memory) or the time limit
+    "fwd_unbounded_alloc": Expect(1, FAIL, CRASH + r"(ran past its time limit of 2 s during step 0: forward|"
+                                                  r"raised: step 0: forward: (MemoryError|RuntimeError))", 2),
+    "fwd_stdout_spam": Expect(0, r"^PASS: property_tests/hostile/"),
+    "bwd_stderr_spam": Expect(0, r"^PASS: property_tests/hostile/"),
+    "ret_tuple": Expect(1, FAIL, CRASH + r"raised: step 0: forward: TypeError: the function ret_tuple \(defined at "
+                                         r".*impls.py:\d+\) returned tuple, not a tensor$"),
+    "ret_none": Expect(1, FAIL, r"returned NoneType, not a tensor"),
+    "ret_float": Expect(1, FAIL, r"returned float, not a tensor"),
+    "ret_transposed": Expect(1, FAIL, r"\[contract\] output: output strides are \(1, 16\), nn.Linear gives \(16, 1\)"),
+    "ret_wrong_shape": Expect(1, FAIL, CRASH + r"raised: step 0: backward: RuntimeError: Mismatch in shape"),
+    "ret_noncontiguous": Expect(1, FAIL, r"\[contract\] output: output strides are \(1, 16\)"),
+    "ret_input_view": Expect(1, FAIL, r"the output shares memory with the input \(a view of it\)"),
+    "ret_int_tensor": Expect(1, FAIL, CRASH + r"raised: step 0: backward: RuntimeError: element 0 of tensors does "
+                                              r"not require grad"),
+    "mutates_input": Expect(1, FAIL, CRASH + r"raised: step 0: forward: RuntimeError: a view of a leaf Variable"),
+    "mutates_input_no_grad": Expect(1, FAIL, r"\[contract\] output: step 0: the input was modified in place"),
+    "mutates_weight_data": Expect(1, FAIL, r"the weight was modified in place by forward/backward \(through .data\)"),
+    "weight_add_no_grad": Expect(1, FAIL, r"step 0: the weight was modified in place by forward/backward"),
+    "nondeterministic": Expect(1, FAIL, r"\[determinism\] output \(step 0\): a second run of the same case gave "
+                                        r"other results"),
+    "stateful_counter": Expect(1, FAIL, r"\[determinism\] output \(step 0\): a second run"),
+    "FromFloatReturnsNone": Expect(1, FAIL, CRASH + r"raised: building the module: "),
+    "FromFloatRaises": Expect(1, FAIL, CRASH + r"raised: building the module: RuntimeError: hostile: from_float"),
+    "FromFloatExits": Expect(1, FAIL, CRASH + r"raised: building the module: SystemExit: 0"),
+    "converter_no_weight": Expect(1, FAIL, r"the built module has 0 parameters named 'weight'"),
+    "converter_deletes_linear": Expect(1, FAIL, r"the built module has 0 parameters named 'weight'"),
+    "sets_default_dtype_fp64": Expect(1, FAIL, STATE + r"default dtype torch.float32 -> torch.float64 \(restored\)"),
+    "sets_backend_flags": Expect(1, FAIL, STATE + r".*flush denormals False -> True"),
+    "reseeds_rng": Expect(1, FAIL, STATE + r"the global random generator reseeded \(seed \d+ -> 1234\)"),
+    "disables_grad_globally": Expect(1, FAIL, CRASH + r"raised: step 0: backward: RuntimeError: element 0"),
+    "global_saved_tensors_hook": Expect(1, FAIL, STATE + r"a saved-tensors hook left installed"),
+    "global_module_forward_hook": Expect(1, FAIL, STATE + r"global module hooks \(_global_forward_hooks: 0 -> 1\)"),
+    "monkeypatch_scaled_mm": Expect(1, FAIL, STATE + r"torch._scaled_mm replaced"),
+    "monkeypatch_F_linear": Expect(1, FAIL, STATE + r"torch.nn.functional.linear replaced"),
+    "ret_nan": Expect(1, FAIL, r"\[nonfinite\] output \(step 0\): 256 NaN and 0 Inf where fp64 has 0 and 0"),
+    "ret_inf_one": Expect(1, FAIL, r"\[nonfinite\] output \(step 0\): 0 NaN and 1 Inf where fp64 has 0 and 0"),
+}
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """fp8-parity ARGV in this process: (exit code, everything it printed)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exited:  # argparse's usage errors
+            code = exited.code
+    return code, out.getvalue() + err.getvalue()
+
+
+def assert_outcome(argv: list[str], expect: Expect) -> str:
+    code, text = run_cli(argv)
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    rerun = "fp8-parity " + " ".join(argv)
+    assert "Traceback" not in text, f"a traceback reached the user: {rerun}\n{text[-3000:]}"
+    assert len(text) < MAX_OUTPUT, f"{len(text)} characters of output (the implementation's printing?): {rerun}"
+    assert code == expect.code, f"exit {code}, expected {expect.code}: {rerun}\n{text[:3000]}"
+    assert re.search(expect.first, first), f"first line {first!r} does not match {expect.first!r}: {rerun}"
+    assert re.search(expect.says, text, re.MULTILINE), f"no {expect.says!r} in the output of {rerun}:\n{text[:3000]}"
+    return text
+
+
+def test_every_manifest_entry_has_an_expectation():
+    assert sorted(entry["name"] for entry in MANIFEST) == sorted(IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("entry", MANIFEST, ids=[entry["name"] for entry in MANIFEST])
+def test_hostile_implementation(entry):
+    """`check` of the implementation on one case of the bf16 recipe (its numbers are a plain bf16
+    matmul: whatever fails, fails for what the code does)."""
+    expect = IMPLEMENTATIONS[entry["name"]]
+    assert_outcome(["check", "--impl", entry["impl"], "--form", entry["form"], "--recipe", "bf16", "--case", CASE,
+                    "--timeout", f"{expect.timeout:g}", "--quiet"], expect)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """A folder of inputs to misuse: a regular file, a good report, and tables report must refuse."""
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "a_file").write_text("not a directory\n")
+    frame = run_cases([Case(lead=(16,), K=16, N=16)], all_pairs([load_impl("bf16")], [load_impl("fp64")]))
+    write_report(frame, root / "good", title="good")
+    table = (root / "good" / "results.csv.gz").read_bytes()
+    for name, content in {"truncated": table[: len(table) // 2], "empty": None}.items():
+        (root / name).mkdir()
+        if content is not None:
+            (root / name / "results.csv.gz").write_bytes(content)
+    (root / "old").mkdir()
+    frame.drop(columns=ADDED_LATER).to_csv(root / "old" / "results.csv.gz", index=False)
+    pd.DataFrame({"name": ["a"], "score": [1.0]}).to_csv(root / "foreign.csv", index=False)
+    bench = pd.DataFrame([{"preset": "small", "shape": "16x16x16", "impl": "fp8_impl", "median_ms": 1.0,
+                           "gpu_ms": 1.0, "tflops": 1.0}])
+    (root / "bench").mkdir()
+    bench.to_csv(root / "bench" / "results.csv.gz", index=False)
+    return root
+
+
+USAGE = r"^fp8-parity {}: "
+BAD_INPUTS: dict[str, tuple[list[str], Expect]] = {
+    "max-examples 0": (["check", "--impl", "bf16", "--max-examples", "0"],
+                       Expect(2, USAGE.format("check") + r"argument --max-examples: must be an integer from 1 to "
+                                                         r"100000, got '0' \(e.g. --max-examples 100\)")),
+    "max-examples -1": (["check", "--impl", "bf16", "--max-examples", "-1"],
+                        Expect(2, USAGE.format("check") + r"argument --max-examples: .* got '-1'")),
+    "max-examples 1e23": (["check", "--impl", "bf16", "--max-examples", "1e23"],
+                          Expect(2, USAGE.format("check") + r"argument --max-examples: .* got '1e23'")),
+    "recipe typo": (["check", "--impl", "{hostile}:slow_3s", "--recipe", "tensorwsie"],
+                    Expect(2, USAGE.format("check") + r"unknown recipe 'tensorwsie'; did you mean 'tensorwise'\?")),
+    "recipe bogus": (["check", "--impl", "{hostile}:slow_3s", "--recipe", "bogus"],
+                     Expect(2, USAGE.format("check") + r"unknown recipe 'bogus'; known recipes: tensorwise, ")),
+    "impl typo": (["check", "--impl", "torchao:tensorwize"],
+                  Expect(2, USAGE.format("check") + r"unknown implementation 'torchao:tensorwize': did you mean "
+                                                    r"'torchao:tensorwise'\?")),
+    "against typo": (["check", "--impl", "fp8_impl", "--against", "torchao:rowwize"],
+                     Expect(2, USAGE.format("check") + r"unknown implementation 'torchao:rowwize': did you mean "
+                                                       r"'torchao:rowwise'\?")),
+    "impl file missing": (["check", "--impl", "no/such/file.py:f"],
+                          Expect(2, USAGE.format("check") + r"implementation file 'no/such/file.py' does not exist")),
+    "impl attribute missing": (["check", "--impl", "{hostile}:no_such_thing"],
+                               Expect(2, USAGE.format("check") + r"'.*impls.py' has no attribute 'no_such_thing'")),
+    "impl module missing": (["check", "--impl", "no_such_module_xyz:f"],
+                            Expect(2, USAGE.format("check") + r"cannot import 'no_such_module_xyz': "
+                                                              r"ModuleNotFoundError")),
+    "enormous case": (["check", "--impl", "bf16", "--case", "M1048576K1048576N1048576"],
+                      Expect(2, USAGE.format("check") + r"case M1048576K1048576N1048576.*: its operands alone take "
+                                                        r".* GiB in float64, more than this machine's")),
+    "case syntax": (["check", "--impl", "bf16", "--case", "M16K32"],
+                    Expect(2, USAGE.format("check") + r"case id 'M16K32': cannot read the shape")),
+    "case not divisible by 16": (["check", "--impl", "fp8_impl", "--case", "M16K24N16"],
+                                 Expect(2, USAGE.format("check") + r"case: K = 24 must be a positive multiple of 16")),
+    "json under /proc": (["check", "--impl", "bf16", "--case", CASE, "--json", "/proc/x.json"],
+                         Expect(2, USAGE.format("check") + r"--json /proc/x.json: .*cannot write there")),
+    "json under a file": (["check", "--impl", "bf16", "--case", CASE, "--json", "{inputs}/a_file/x.json"],
+                          Expect(2, USAGE.format("check") + r"--json .*: cannot write there \(.*a_file is a file, "
+                                                            r"not a directory\)")),
+    "timeout 0": (["check", "--impl", "bf16", "--timeout", "0"],
+                  Expect(2, USAGE.format("check") + r"argument --timeout: must be a finite number greater than 0")),
+    "timeout nan": (["check", "--impl", "bf16", "--timeout", "nan"],
+                    Expect(2, USAGE.format("check") + r"argument --timeout: .* got 'nan'")),
+    "diff tolerance nan": (["diff", "{inputs}/good", "{inputs}/good", "--sqnr-tolerance", "nan"],
+                           Expect(2, USAGE.format("diff") + r"argument --sqnr-tolerance: must be a finite number")),
+    "diff of a missing folder": (["diff", "{inputs}/good", "{inputs}/nothere"],
+                                 Expect(2, USAGE.format("diff") + r".*/nothere does not exist")),
+    "report of a missing folder": (["report", "{inputs}/nothere"],
+                                   Expect(2, USAGE.format("report") + r".*/nothere does not exist")),
+    "report of a truncated table": (["report", "{inputs}/truncated"],
+                                    Expect(2, USAGE.format("report") + r"cannot read results from .*: .* is truncated "
+                                                                       r"or corrupt")),
+    "report of a foreign table": (["report", "{inputs}/foreign.csv"],
+                                  Expect(2, USAGE.format("report") + r".* is not an fp8-parity results table")),
+    "report of an older schema": (["report", "{inputs}/old"],
+                                  Expect(2, USAGE.format("report") + r".* was written by an older fp8-parity "
+                                                                     r"\(missing columns recipe, policy, skipped")),
+    "report of a folder without results": (["report", "{inputs}/empty"],
+                                           Expect(2, USAGE.format("report") + r".*no results file at ")),
+    "report of a bench folder": (["report", "{inputs}/bench"],
+                                 Expect(2, USAGE.format("report") + r".* is a benchmark report, not a parity sweep")),
+    "sweep out under a file": (["sweep", "--out", "{inputs}/a_file/out"],
+                               Expect(2, USAGE.format("sweep") + r"--out .*: cannot write there")),
+    "resume without out": (["sweep", "--resume"],
+                           Expect(2, USAGE.format("sweep") + r"--resume needs --out DIR")),
+    "resume without a partial sweep": (["sweep", "--resume", "--out", "{inputs}/empty"],
+                                       Expect(2, USAGE.format("sweep") + r"--resume: .* holds no interrupted sweep")),
+    "samples -1": (["sweep", "--samples", "-1"],
+                   Expect(2, USAGE.format("sweep") + r"argument --samples: must be an integer from 0")),
+    "sweep impl typo": (["sweep", "--impl", "fp8_imp"],
+                        Expect(2, USAGE.format("sweep") + r"unknown implementation 'fp8_imp': did you mean "
+                                                          r"'fp8_impl'\?")),
+    "bisect max-examples 0": (["bisect", "--impl", "bf16", "--max-examples", "0"],
+                              Expect(2, USAGE.format("bisect") + r"argument --max-examples: ")),
+    "bisect case syntax": (["bisect", "--impl", "bf16", "--case", "M16xK"],
+                           Expect(2, USAGE.format("bisect") + r"case id 'M16xK': cannot read the shape")),
+    "form bogus": (["check", "--impl", "bf16", "--form", "bogus"],
+                   Expect(2, USAGE.format("check") + r"argument --form: invalid choice: 'bogus'")),
+    "unknown command": (["frobnicate"], Expect(2, r"^fp8-parity: argument COMMAND: invalid choice: 'frobnicate'")),
+}
+CPU_ONLY = {  # what a machine without a GPU cannot do: exit 125 ("cannot run here"), not a failure
+    "check on cuda": (["check", "--impl", "bf16", "--device", "cuda"],
+                      Expect(125, r"^fp8-parity check: cannot run here: no CUDA device is available")),
+    "bench": (["bench"], Expect(125, r"^fp8-parity bench: cannot run here: no CUDA device is available")),
+}
+
+
+def _fill(argv: list[str], inputs: Path) -> list[str]:
+    return [a.format(inputs=inputs, hostile=HOSTILE / "impls.py") for a in argv]
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input(name, inputs):
+    argv, expect = BAD_INPUTS[name]
+    assert_outcome(_fill(argv, inputs), expect)
+
+
+@pytest.mark.parametrize("name", list(CPU_ONLY))
+def test_what_needs_a_gpu_says_it_cannot_run_here(name, inputs):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    argv, expect = CPU_ONLY[name]
+    assert_outcome(_fill(argv, inputs), expect)
+
+
+def test_the_corpus_size_in_the_readme_is_the_count_of_the_corpus():
+    count = len(IMPLEMENTATIONS) + len(BAD_INPUTS) + len(CPU_ONLY)
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f"{count} hostile inputs, {count} handled" in readme
+
+
+# ---- an interrupted sweep -----------------------------------------------------------------------------------
+
+TINY = sweep.Preset("tiny", "one named shape and two sampled cases", (("tiny layer", 32, 16),), {"cpu": 16}, 2, 32)
+
+
+def test_an_interrupted_sweep_keeps_its_cases_and_resumes(tmp_path, monkeypatch):
+    """Ctrl-C after two cases: exit 130 (not "violation"), a partial table that `report` reads as
+    INCOMPLETE (exit 4), and `--resume` runs the rest: every case once in the final table."""
+    monkeypatch.setitem(sweep.PRESETS, "quick", TINY)
+    planned = TINY.cases("cpu")
+    calls = {"count": 0}
+    run_case = sweep.run_case_isolated
+
+    def interrupted_on_the_third(*args, **kwargs):
+        calls["count"] += 1
+        if calls["count"] == 3:
+            raise KeyboardInterrupt
+        return run_case(*args, **kwargs)
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--impl", "bf16", "--out", str(out), "--quiet"]
+    with monkeypatch.context() as patch:
+        patch.setattr(sweep, "run_case_isolated", interrupted_on_the_third)
+        code, text = run_cli(argv)
+    assert code == 128 + signal.SIGINT, text
+    assert f"interrupted by SIGINT after 2 of {len(planned)} cases" in text and "Traceback" not in text
+    assert not (out / "results.csv.gz").exists()
+
+    code, text = run_cli(["report", str(out), "--candidate", "bf16"])
+    assert code == 4 and text.startswith("INCOMPLETE: ") and f"(2 of {len(planned)} cases" in text, text
+
+    code, text = run_cli([*argv, "--resume"])
+    assert code in (0, 1) and "Traceback" not in text, text
+    frame = pd.read_csv(out / "results.csv.gz")
+    assert set(zip(frame["shape"], frame["case_id"])) == {(label, case.id) for label, case in planned}
+    assert not frame.duplicated(["shape", "case_id", "impl", "reference", "tensor", "step"]).any()
+    assert not (out / "partial.csv.gz").exists()
+
+
+def test_a_resume_with_other_arguments_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setitem(sweep.PRESETS, "quick", TINY)
+    monkeypatch.setattr(sweep, "run_case_isolated", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    out = tmp_path / "sweep"
+    assert run_cli(["sweep", "--impl", "bf16", "--out", str(out), "--quiet"])[0] == 130
+    code, text = run_cli(["sweep", "--impl", "fp8_impl", "--out", str(out), "--quiet", "--resume"])
+    assert code == 2 and text.startswith("fp8-parity sweep: --resume:"), text
+
+
+# ---- a CUDA error ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_a_cuda_error_is_a_finding_of_its_case_and_later_cases_still_run():
+    """A device-side assert leaves the process's CUDA context unusable: the case that triggered
+    it is a finding, and the next cases run in a fresh worker on their own merits."""
+    from parity.check import CheckPlan
+    from parity.runner import run_case_isolated
+    from parity.worker import Worker
+    plan = CheckPlan.make(load_impl(f"{HOSTILE / 'cuda_faults.py'}:oob_gather_with_32_rows", recipe="bf16"),
+                          device="cuda")
+    cases = [Case(lead=(M,), K=32, N=16) for M in (16, 32, 48)]
+    with Worker("cuda") as runner:
+        rows = {case.lead[0]: run_case_isolated(case, plan.comparisons, device="cuda", runner=runner, time_limit=120)
+                for case in cases}
+    faulted = {row["error"] for row in rows[32] if row["impl"] == plan.candidate.name}
+    assert len(faulted) == 1 and re.search(r"CUDA context unusable .*(device-side assert|CUDA error)",
+                                           faulted.pop() or "")
+    for M in (16, 48):
+        assert not any(row["error"] or row["reference_error"] for row in rows[M]), rows[M]
+        assert plan.judge(rows[M]) == [], plan.judge(rows[M])
