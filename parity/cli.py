@@ -17,6 +17,8 @@ import math
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -257,33 +259,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _progress(enabled: bool):
-    if not enabled or not sys.stderr.isatty():
-        return None
+class Progress:
+    """Progress on stderr. On a terminal, one line redrawn in place. Otherwise (a log, CI) a line
+    at every tenth of the planned work, and a heartbeat every HEARTBEAT_S seconds with the last
+    status, so a long case never leaves the log silent. A context manager: the heartbeat stops
+    with the command. Calls: show(done, total[, elapsed]); `bar` draws a bar and an ETA."""
 
-    def show(done: int, total: int) -> None:
-        sys.stderr.write(f"\r  {done} cases run (search budget {total})")
+    HEARTBEAT_S = 30.0
+
+    def __init__(self, enabled: bool, what: str, *, bar: bool = True):
+        self.enabled, self.what, self.bar = enabled, what, bar
+        self.tty = sys.stderr.isatty()
+        self.start = self.last_write = time.monotonic()
+        self.status, self.decile = f"  {what}: started", -1
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "Progress | None":
+        if not self.enabled:
+            return None
+        if not self.tty:
+            threading.Thread(target=self._beat, name="fp8-parity heartbeat", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.enabled and self.tty and self.last_write > self.start:
+            sys.stderr.write("\n")
+
+    def _write(self, text: str) -> None:
+        self.last_write = time.monotonic()
+        sys.stderr.write(text)
         sys.stderr.flush()
-    return show
 
+    def _beat(self) -> None:
+        while not self._stop.wait(min(1.0, self.HEARTBEAT_S / 2)):
+            if time.monotonic() - self.last_write >= self.HEARTBEAT_S:
+                self._write(f"{self.status} (running, {time.monotonic() - self.start:.0f} s)\n")
 
-def _progress_bar(enabled: bool, what: str = "cases"):
-    """A one-line progress bar on stderr (a line every 10% when stderr is not a terminal)."""
-    if not enabled:
-        return None
-    tty, last = sys.stderr.isatty(), {"decile": -1}
-
-    def show(done: int, total: int, elapsed: float) -> None:
-        left = elapsed / done * (total - done) if done else 0.0
-        bar = "#" * int(30 * done / total)
-        line = f"  [{bar:<30}] {done}/{total} {what}, {elapsed:.0f} s elapsed, ~{left:.0f} s left"
-        if tty:
-            sys.stderr.write("\r" + line + ("\n" if done == total else ""))
-        elif done * 10 // total != last["decile"]:
-            last["decile"] = done * 10 // total
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    return show
+    def __call__(self, done: int, total: int, elapsed: float | None = None) -> None:
+        elapsed = time.monotonic() - self.start if elapsed is None else elapsed
+        if self.bar:
+            left = elapsed / done * (total - done) if done else 0.0
+            self.status = (f"  [{'#' * int(30 * done / total):<30}] {done}/{total} {self.what}, {elapsed:.0f} s "
+                           f"elapsed, ~{left:.0f} s left")
+        else:
+            self.status = f"  {done} {self.what} run (search budget {total}), {elapsed:.0f} s elapsed"
+        if self.tty:
+            self._write("\r" + self.status)
+        elif self.bar and done * 10 // total != self.decile:
+            self.decile = done * 10 // total
+            self._write(self.status + "\n")
 
 
 def _default_report_dir() -> Path:
@@ -362,9 +387,10 @@ def cmd_sweep(args) -> int:
             frame = run_sweep_sharded(cases, impl_names, devices=[f"cuda:{i}" for i in range(gpus)])
         else:
             try:
-                frame = run_sweep(cases, sweep_comparisons(impls, device, accuracy_only=args.accuracy_only),
-                                  device=device, progress=_progress_bar(not args.quiet), time_limit=args.timeout,
-                                  done=done, checkpoint=lambda part: _save_partial(part, out, arguments, "running"))
+                with Progress(not args.quiet, "cases") as progress:
+                    frame = run_sweep(cases, sweep_comparisons(impls, device, accuracy_only=args.accuracy_only),
+                                      device=device, progress=progress, time_limit=args.timeout, done=done,
+                                      checkpoint=lambda part: _save_partial(part, out, arguments, "running"))
             except SweepInterrupted as stop:
                 by = _interrupted_by(stop.cause)
                 _save_partial(stop.frame, out, arguments, by.name)
@@ -397,8 +423,9 @@ def cmd_bisect(args) -> int:
     _writable_file(args.json, "--json")
     if args.git:
         from parity.history import git_bisect
-        found = git_bisect(args.git[0], args.git[1], impl=args.impl, against=args.against, device=device,
-                           max_examples=args.max_examples)
+        with Progress(True, "bisect --git"):  # a heartbeat in a log: one check per commit takes a while
+            found = git_bisect(args.git[0], args.git[1], impl=args.impl, against=args.against, device=device,
+                               max_examples=args.max_examples)
         print(found.render(), end="")
         if args.json:
             atomic_write_text(args.json, json.dumps(found.to_json(), indent=2) + "\n")
@@ -407,7 +434,8 @@ def cmd_bisect(args) -> int:
     case = _cases([args.case], device)[0] if args.case else None
     plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe),
                           load_impl(args.against) if args.against else None, device=device)
-    result = localize(plan, device=device, case=case, max_examples=args.max_examples, time_limit=args.timeout)
+    with Progress(True, "bisect"):
+        result = localize(plan, device=device, case=case, max_examples=args.max_examples, time_limit=args.timeout)
     print(render(result), end="")
     if args.json:
         atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
@@ -441,9 +469,9 @@ def cmd_bench(args) -> int:
           f"implementations x {len(modes)} compile modes", file=sys.stderr)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        frame = run_bench(presets, impls, compile_modes=modes, device=args.device, warmup=args.warmup,
-                          iters=args.iters, progress=_progress_bar(not args.quiet, "configurations"),
-                          checkpoint=out / "partial.csv")
+        with Progress(not args.quiet, "configurations") as progress:
+            frame = run_bench(presets, impls, compile_modes=modes, device=args.device, warmup=args.warmup,
+                              iters=args.iters, progress=progress, checkpoint=out / "partial.csv")
     except NoGPUError as err:
         raise CannotRun(str(err)) from None
     judged = bench_verdict(frame, candidate=impls[0].name)
@@ -522,11 +550,10 @@ def cmd_check(args) -> int:
     plan = CheckPlan.make(candidate, reference, policy=args.policy, oracle=not args.no_oracle, device=device)
     extra = [*(["--form", args.form] if args.form else []), *(["--recipe", args.recipe] if args.recipe else []),
              *(["--policy", args.policy] if args.policy else [])]
-    result = run_check(plan, device=device, max_examples=args.max_examples, cases=cases, max_dim=args.max_dim,
-                       seed=args.seed, rerun_command=rerun_command(args.impl, plan.reference.name, device, extra),
-                       progress=_progress(not args.quiet), time_limit=args.timeout)
-    if not args.quiet and sys.stderr.isatty():
-        sys.stderr.write("\n")
+    with Progress(not args.quiet, "cases", bar=False) as progress:
+        result = run_check(plan, device=device, max_examples=args.max_examples, cases=cases, max_dim=args.max_dim,
+                           seed=args.seed, rerun_command=rerun_command(args.impl, plan.reference.name, device, extra),
+                           progress=progress, time_limit=args.timeout)
     print(render(result), end="")
     if args.json:
         atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")

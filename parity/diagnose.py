@@ -498,6 +498,20 @@ class Match:
     correct_db: float  # closeness of the correct emulation
 
 
+def _closeness(got: torch.Tensor, want: torch.Tensor) -> float:
+    """SQNR of `got` against a hypothesis's `want`, where non-finite values must match exactly: a
+    NaN or Inf that one has and the other has not rules the hypothesis out (-inf), and matching
+    ones are left out of the SQNR (all of them matching: inf). An amax without its floor gives
+    NaN on an all-zero tile; only a hypothesis that makes those NaN may explain it."""
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    got_bad, want_bad = ~got.isfinite(), ~want.isfinite()
+    if not torch.equal(got_bad, want_bad) or not torch.equal(got[got_bad].nan_to_num(nan=0.0),
+                                                             want[want_bad].nan_to_num(nan=0.0)):
+        return -math.inf
+    keep = ~got_bad
+    return compare(got[keep], want[keep])["sqnr_db"] if bool(keep.any()) else math.inf
+
+
 def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Sequence[StepData], case: Case,
                        recipe: Recipe, gemms: Sequence[str], *, bias: torch.Tensor | None = None,
                        strided: StepData | None = None) -> list[Match]:
@@ -516,7 +530,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
             if gemm_name == "output" and bias is not None:
                 value = value + bias.to(torch.float64).cpu()
             want = oracles.rounded_like_result(value, case, gemm_name, recipe).reshape(target.shape)
-            return compare(target.cpu(), want)["sqnr_db"]
+            return _closeness(target.cpu(), want)
         a_hp, b_hp = sources.view(gemm_name, "a", "same"), sources.view(gemm_name, "b", "same")
         qa, qb = _quantize(a_hp, spec.a, recipe, {}), _quantize(b_hp, spec.b, recipe, {})
         correct_value = oracles.gemm(qa, qb)

@@ -319,9 +319,18 @@ def run_case_isolated(case: Case, comparisons: Sequence[Comparison], *, device: 
     key = runner.remember(f"comparisons-{id(comparisons)}-{len(comparisons)}", list(comparisons))
     if isinstance(key, worker.Died):  # the implementations could not even be sent (an import that exits)
         return worker.died_rows(case, comparisons, key, device_type=device_type)
+    printed_before = runner.output_bytes()
     outcome = runner.call(_run_remembered, case, key, str(device), time_limit=limit)
     if isinstance(outcome, worker.Died):
         return worker.died_rows(case, comparisons, outcome, device_type=device_type)
+    printed = runner.output_bytes() - printed_before
+    if printed > worker.PRINT_LIMIT_BYTES:  # only code under test prints: the built-ins are quiet
+        from parity.impls import BUILTINS
+        for row in outcome:
+            if row["impl"] not in BUILTINS and row["tensor"] == "output" and row["step"] == 0 and not row["skipped"]:
+                problem = (f"the implementation printed {printed / 2**20:.1f} MiB during the case (nn.Linear prints "
+                           f"nothing; more than {worker.PRINT_LIMIT_BYTES // 1024} KiB floods a training log)")
+                row["contract"] = "; ".join(filter(None, [row["contract"], problem]))
     return outcome
 
 

@@ -35,6 +35,10 @@ from typing import Any, Callable, Sequence
 PHASE_BYTES = 512
 SEPARATOR = "\x1f"  # between the implementation's name and its phase in the shared buffer
 MEMORY_SHARE = 0.75  # a CPU worker may map this share of the machine's memory
+# An implementation that prints more than this in one case is a finding: nn.Linear prints nothing, and
+# a one-time warning (torchao's, torch's) is a few hundred bytes; 64 KiB is hundreds of lines per call,
+# which floods a training log and costs time at every step.
+PRINT_LIMIT_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,13 @@ class Worker:
                 return f.read().decode(errors="replace").strip().splitlines()[-1][:160] if size else ""
         except (OSError, IndexError):
             return ""
+
+    def output_bytes(self) -> int:
+        """How much the worker has printed so far (its stdout and stderr, to one file)."""
+        try:
+            return os.path.getsize(self._output.name)
+        except OSError:
+            return 0
 
     def _kill(self) -> None:
         if self._process is not None and self._process.is_alive():

@@ -170,3 +170,19 @@ def test_console_entry_point():
     """`python -m parity` is the CLI (what the fp8-parity script runs)."""
     done = subprocess.run([sys.executable, "-m", "parity", "check", "--impl", "nope"], capture_output=True, text=True)
     assert done.returncode == 2 and "unknown implementation" in done.stderr
+
+
+def test_progress_in_a_log_beats_while_a_case_runs_and_stops_with_the_command(monkeypatch, capsys):
+    """Not a terminal (CI, a log file): the last status again every HEARTBEAT_S seconds while
+    nothing else is printed, and nothing once the command is over."""
+    import time
+
+    from parity.cli import Progress
+    monkeypatch.setattr(Progress, "HEARTBEAT_S", 0.2)
+    with Progress(True, "cases", bar=False) as progress:
+        progress(3, 100)
+        time.sleep(1.5)
+    beats = capsys.readouterr().err.splitlines()
+    assert len(beats) >= 2 and all(line.startswith("  3 cases run (search budget 100)") for line in beats), beats
+    time.sleep(1.5)
+    assert capsys.readouterr().err == ""

@@ -186,3 +186,19 @@ def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe
 def test_oracle_knob_without_eps_gives_infinite_scales():
     q = oracles.quantize(torch.zeros(2, 16), torch.float8_e4m3fn, eps=0.0)
     assert torch.isnan(q.values).all()
+
+
+def test_closeness_needs_the_same_nan_and_inf():
+    """A hypothesis explains NaN only if it makes NaN at the same places (an amax without its
+    floor on an all-zero tile), never by an SQNR computed around them."""
+    import math
+
+    from parity.diagnose import _closeness
+    zeros, nan = torch.zeros(4), torch.full((4,), math.nan)
+    assert _closeness(nan, zeros) == -math.inf
+    assert _closeness(zeros, nan) == -math.inf
+    assert _closeness(nan, nan) == math.inf
+    got = torch.tensor([1.0, math.nan, 3.0, math.inf])
+    assert _closeness(got, torch.tensor([1.0, math.nan, 3.0, math.inf])) == math.inf
+    assert _closeness(got, torch.tensor([1.0, math.nan, 3.0, -math.inf])) == -math.inf
+    assert 30 < _closeness(got, torch.tensor([1.01, math.nan, 3.0, math.inf])) < 60
