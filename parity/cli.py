@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--policy", choices=[p.value for p in Policy], default=None,
                        help="override the parity policy (default: chosen from the recipes)")
     check.add_argument("--no-oracle", action="store_true", help="do not also run the exact emulation")
-    check.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0, help="seed of the search (default 0)")
+    check.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0,
+                       help="seed of the search (default 0)")
     _timeout_arg(check)
     check.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the result as JSON")
     check.add_argument("--quiet", action="store_true", help="no progress line")
@@ -256,6 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--sqnr-tolerance", type=_amount(0, 1000, "--sqnr-tolerance 0.1"), default=0.1,
                       help="dB an SQNR may move (default 0.1)")
     diff.add_argument("--csv", type=Path, default=None, help="also write the moves as CSV")
+    test = commands.add_parser("test", help="run the shipped property suite against an implementation (pytest)",
+                               description="The hypothesis property suite (the same as `pytest --fp8-impl X`), "
+                                           "with pytest's exit code mapped to fp8-parity's. Arguments after `--` "
+                                           "go to pytest (e.g. -- -x -k contracts --junitxml=out.xml).")
+    _impl_arg(test, default=None, help_prefix="implementation under test")
+    test.add_argument("--against", default=None, metavar="REF", help="reference (default: its recipe's)")
+    test.add_argument("--recipe", default=None, metavar="RECIPE", help="the recipe --impl implements")
+    test.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    test.add_argument("--case", default=None, metavar="CASE_ID", help="exactly this case")
+    test.add_argument("--report", type=Path, default=None, metavar="DIR", help="write the rows as a report")
+    test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     return parser
 
 
@@ -367,7 +379,8 @@ def cmd_sweep(args) -> int:
     impls = [load_impl(name) for name in impl_names]
     preset = PRESETS[args.preset]
     if args.samples is not None:
-        preset = dataclasses.replace(preset, samples=args.samples)
+        preset = dataclasses.replace(preset, samples=args.samples,
+                                     cpu=preset.cpu and dataclasses.replace(preset.cpu, samples=None))
     cases = preset.cases(device, seed=args.seed, alignment=max(impl.recipe.alignment for impl in impls))
     gpus = min(args.gpus, torch.cuda.device_count()) if device == "cuda" else 1
     if args.gpus > 1 and gpus < args.gpus:
@@ -378,8 +391,8 @@ def cmd_sweep(args) -> int:
     arguments = _sweep_arguments(args, impl_names)
     with OutputLock(out):
         done = _load_partial(out, arguments) if args.resume else None
-        print(f"fp8-parity sweep: preset {preset.name} ({preset.description}), {len(cases)} cases x "
-              f"{len(impls)} implementations on {device}"
+        print(f"fp8-parity sweep: preset {preset.name} on {device}: {preset.describe(device)}; {len(cases)} cases x "
+              f"{len(impls)} implementations"
               + (f"; resuming after {len(set(zip(done['shape'], done['case_id'])))} cases done" if done is not None
                  else ""),
               file=sys.stderr)
@@ -402,6 +415,7 @@ def cmd_sweep(args) -> int:
                       f"report {out}` reads them); continue with: {command}", file=sys.stderr)
                 return EXIT_SIGNAL[by]
         judged = verdict(frame, candidate=impls[0].name)
+        frame.attrs["env"]["cases"] = preset.describe(device)  # the report says which shapes ran, and why
         written = write_report(frame, out, title=f"fp8-parity sweep: {preset.name} preset on {device}",
                                candidate=impls[0].name, verdict=judged,
                                extra_tables={"by named shape": named_shape_table(frame, candidate=impls[0].name),
@@ -560,7 +574,28 @@ def cmd_check(args) -> int:
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
 
 
-COMMANDS = {"check": cmd_check, "sweep": cmd_sweep, "bisect": cmd_bisect, "bench": cmd_bench,
+def cmd_test(args) -> int:
+    import pytest
+
+    from parity.pytest_plugin import SHIPPED_SUITE
+    if args.recipe:
+        from parity.recipes import get_recipe
+        get_recipe(args.recipe)  # a typo is a usage error here, with its "did you mean"
+    if args.report is not None:
+        _writable_dir(args.report, "--report")
+    extra = [a for a in args.pytest_args if a != "--"]
+    argv = [str(SHIPPED_SUITE), "--fp8-impl", args.impl, "--fp8-device", args.device, "-p", "no:cacheprovider",
+            *(["--fp8-against", args.against] if args.against else []),
+            *(["--fp8-recipe", args.recipe] if args.recipe else []),
+            *(["--fp8-case", args.case] if args.case else []),
+            *(["--fp8-report", str(args.report)] if args.report else []), *extra]
+    code = int(pytest.main(argv))
+    # pytest: 0 passed, 1 tests failed, 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected
+    return {0: EXIT_PASS, 1: EXIT_FAIL, 2: EXIT_SIGNAL[signal.SIGINT], 3: EXIT_INTERNAL, 4: EXIT_USAGE,
+            5: EXIT_CANNOT_RUN}.get(code, EXIT_INTERNAL)
+
+
+COMMANDS = {"check": cmd_check, "test": cmd_test, "sweep": cmd_sweep, "bisect": cmd_bisect, "bench": cmd_bench,
             "throughput": cmd_throughput,
             "report": cmd_report, "diff": cmd_diff}
 

@@ -1,7 +1,8 @@
 """The property suite's shared state: which implementation runs against which reference where,
-how failures are reported, and the metric rows kept for `--parity-report`.
+how failures are reported, and the metric rows kept for `--fp8-report`.
 
-conftest.py fills SUITE from the command line (`--impl`, `--against`, `--device`, `--case`);
+The pytest plugin (parity.pytest_plugin) fills SUITE from the command line (`--fp8-impl`,
+`--fp8-against`, `--fp8-device`, `--fp8-case`);
 the tests draw cases from `SUITE.cases()` and report through `SUITE.fail`, so every failure
 ends with the case id, an assert_close-style metrics table and a one-line command that
 reruns exactly that case. Your own suite can use it the same way.
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from parity.cases import Case, parse_case_id
 from parity.check import CheckPlan
 from parity.data import CaseData, make_data
-from parity.impls import Impl, load_impl
+from parity.impls import Impl, default_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Violation
 from parity.runner import run_case_isolated
@@ -36,19 +37,22 @@ class PropertyFailure(AssertionError):
 @dataclass
 class Suite:
     impl_spec: str = "fp8_impl"
-    against_spec: str = "torchao:tensorwise"
+    recipe: str | None = None  # the recipe the candidate implements (None: its own, or tensorwise)
+    against_spec: str | None = None  # None: the candidate's recipe's reference (parity.impls.default_reference)
     device: str = "cpu"
     case_id: str | None = None  # rerun exactly this case
     max_dim: int = 128
-    rows: list[dict] = field(default_factory=list)  # every metric row computed, for --parity-report
+    rows: list[dict] = field(default_factory=list)  # every metric row computed, for --fp8-report
 
     @functools.cached_property
     def candidate(self) -> Impl:
-        return load_impl(self.impl_spec)
+        return load_impl(self.impl_spec, recipe=self.recipe)
 
     @functools.cached_property
     def reference(self) -> Impl:
-        return load_impl(self.against_spec)
+        if self.against_spec:
+            return load_impl(self.against_spec)
+        return default_reference(self.candidate, torch_device_type(self.device))
 
     @functools.cached_property
     def plan(self) -> CheckPlan:
@@ -96,8 +100,12 @@ class Suite:
 
     def rerun_command(self, case: Case) -> str:
         current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests").split(" ")[0]
-        parts = ["python", "-m", "pytest", current, "--impl", self.impl_spec, "--against", self.against_spec,
-                 "--device", self.device, "--case", case.id]
+        if current.startswith("::"):  # the shipped suite run from another repository: its node id has no path
+            from parity.pytest_plugin import SHIPPED_SUITE
+            current = f"{SHIPPED_SUITE}{current}"
+        parts = ["python", "-m", "pytest", current, "--fp8-impl", self.impl_spec,
+                 *(["--fp8-recipe", self.recipe] if self.recipe else []), "--fp8-against", self.reference.name,
+                 "--fp8-device", self.device, "--fp8-case", case.id]
         return " ".join(shlex.quote(p) for p in parts)
 
     def fail(self, title: str, case: Case, evidence: list[str]) -> None:
@@ -121,9 +129,11 @@ class Suite:
 SUITE = Suite()
 
 
-def configure(*, impl: str, against: str, device: str, case_id: str | None, profile: str) -> Suite:
-    """Point SUITE at an implementation (called by conftest.py once options are parsed)."""
+def configure(*, impl: str, against: str | None, device: str, case_id: str | None, profile: str,
+              recipe: str | None = None) -> Suite:
+    """Point SUITE at an implementation (called by the pytest plugin once options are parsed)."""
     SUITE.impl_spec, SUITE.against_spec, SUITE.device, SUITE.case_id = impl, against, device, case_id
+    SUITE.recipe = recipe
     SUITE.max_dim = MAX_DIM.get(profile, 128)
     SUITE.close()
     for cached in ("candidate", "reference", "plan"):

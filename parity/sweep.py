@@ -63,6 +63,17 @@ def llama3_shapes(size: str) -> list[tuple[str, int, int]]:
 
 
 @dataclass(frozen=True)
+class CpuLimits:
+    """What a preset runs on a CPU instead, where a full-width layer's float64 references and
+    metrics take tens of seconds per case (llama3-8b attn.qo at 64 tokens: about a minute on two
+    cores). The cases that find layout, dtype, state and data bugs are small ones."""
+
+    named: bool = False  # run the named layer shapes?
+    samples: int | None = None  # sampled cases (None: the preset's)
+    max_dim: int | None = None  # largest K, N, M of the sample (None: the preset's)
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     description: str
@@ -71,21 +82,39 @@ class Preset:
     samples: int  # hypothesis-sampled cases
     max_dim: int  # largest K, N, M of the sample
     variants: tuple[dict, ...] = ({},)  # Case fields each named shape is also run with
+    cpu: CpuLimits | None = None  # on a CPU: fewer, smaller cases (None: the same as on a GPU)
+
+    def _limits(self, device_type: str) -> tuple[bool, int, int]:
+        limits = self.cpu if device_type == "cpu" else None
+        if limits is None:
+            return True, self.samples, self.max_dim
+        return limits.named, self.samples if limits.samples is None else limits.samples, \
+            limits.max_dim or self.max_dim
+
+    def describe(self, device_type: str) -> str:
+        """Which cases run on this device, and why (for the report)."""
+        named, samples, max_dim = self._limits(device_type)
+        shapes = (f"{len(self.named_shapes) * len(self.variants)} named layer shapes at "
+                  f"{self.tokens.get(device_type, self.tokens['cpu'])} tokens" if named else
+                  "no named layer shapes (on a CPU their float64 references take minutes: they run on a GPU, "
+                  "or here with --preset nanochat or llama)")
+        return f"{shapes}; edge cases; {samples} sampled cases with M, K, N up to {max_dim}"
 
     def cases(self, device_type: str, *, seed: int = 0, alignment: int = 16) -> list[tuple[str, Case]]:
         """(label, case) for every named shape x variant, then the edge cases and the hypothesis
         sample. With `alignment` > 16 (a block-scaled recipe among the implementations) the named
         shapes' tokens round up to it, and the edge cases and a sixth of the sample come twice:
         at 16 and at that alignment, so every recipe has cases it can take."""
+        run_named, samples, max_dim = self._limits(device_type)
         M = -(-self.tokens.get(device_type, self.tokens["cpu"]) // alignment) * alignment
         named = [(label, Case(lead=(M,), K=K, N=N, seed=seed).replace(**variant))
-                 for label, K, N in self.named_shapes for variant in self.variants]
+                 for label, K, N in self.named_shapes for variant in self.variants] if run_named else []
         sampled = [("edge case", case) for case in edge_cases(seed=seed)]
-        sampled += [("sampled", case) for case in sample_cases(self.samples, max_dim=self.max_dim, seed=seed)]
+        sampled += [("sampled", case) for case in sample_cases(samples, max_dim=max_dim, seed=seed)]
         if alignment > 16:
             sampled += [("edge case", case) for case in edge_cases(seed=seed, alignment=alignment)]
-            sampled += [("sampled", case) for case in sample_cases(max(1, self.samples // 6), seed=seed,
-                                                                   max_dim=max(self.max_dim, 2 * alignment),
+            sampled += [("sampled", case) for case in sample_cases(max(1, samples // 6), seed=seed,
+                                                                   max_dim=max(max_dim, 2 * alignment),
                                                                    alignment=alignment)]
         return named + list(dict.fromkeys(sampled))
 
@@ -93,8 +122,10 @@ class Preset:
 _VARIANTS = ({}, {"input_layout": Layout.TRANSPOSED}, {"input_dtype": "fp32", "weight_dtype": "fp32", "bias": True},
              {"dist": Dist.OUTLIER})
 PRESETS = {
-    "quick": Preset("quick", "small layers of nanochat-d20 and Llama-3-8B shapes, and 120 sampled cases",
-                    (*nanochat_shapes(20), *llama3_shapes("8b")[:2]), {"cpu": 64, "cuda": 1024}, 120, 256),
+    "quick": Preset("quick", "small layers of nanochat-d20 and Llama-3-8B shapes, and 120 sampled cases "
+                    "(on a CPU: 60 sampled cases up to 128, no named shapes)",
+                    (*nanochat_shapes(20), *llama3_shapes("8b")[:2]), {"cpu": 64, "cuda": 1024}, 120, 256,
+                    cpu=CpuLimits(named=False, samples=60, max_dim=128)),
     "full": Preset("full", "nanochat d20/d26/d32 and Llama 3 8B/70B layers in four variants, 1000 sampled cases",
                    (*nanochat_shapes(20), *nanochat_shapes(26), *nanochat_shapes(32), *llama3_shapes("8b"),
                     *llama3_shapes("70b")), {"cpu": 64, "cuda": 2048}, 1000, 1024, _VARIANTS),

@@ -165,7 +165,7 @@ def test_bench_refuses_a_cpu_device():
         require_gpu("cpu")
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 def test_small_preset_eager_rows_are_positive_and_complete():
     frame = run_bench([PRESETS["small"]], [load_impl("fp8_impl"), load_impl("bf16")], compile_modes=(False,),
                       warmup=1, iters=3)

@@ -31,7 +31,7 @@ def _run(module: nn.Module, linear: nn.Linear, x: torch.Tensor, grad_output: tor
     return dict(output=output.detach(), grad_input=grad_input, grad_weight=grad_weight)
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 @pytest.mark.parametrize(("M", "K", "N"), SHAPES, ids=lambda v: str(v))
 def test_compiled_agreement(M, K, N, pytestconfig):
     from parity.impls import load_impl
@@ -69,7 +69,7 @@ def test_compiled_agreement(M, K, N, pytestconfig):
             if ratio > 1:
                 out_of_bound.append(f"{key} {tensor}: {beyond} elements beyond the bound (worst {ratio:.3g}x)")
     table = pd.DataFrame.from_records(rows)
-    report_dir = pytestconfig.getoption("--parity-report")
+    report_dir = pytestconfig.getoption("--fp8-report")
     if report_dir:
         path = Path(report_dir) / "compile_agreement.csv"
         path.parent.mkdir(parents=True, exist_ok=True)

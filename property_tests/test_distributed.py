@@ -125,7 +125,7 @@ def test_bad_launch_is_refused_before_spawning(kwargs, message):
         run_distributed_parity(**kwargs)
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL parity needs 2 GPUs, one per rank")
 def test_nccl_fp8_impl_bitwise_equal_to_torchao():
     results = run_distributed_parity(RUNS, SPEC, backend="nccl", world_size=2, device="cuda")

@@ -23,7 +23,7 @@ with quiet_imports():
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # (leading dims, K, N): 2-D and 3-D inputs, non-square, K == N, and one wider shape.
 SHAPES = [((32,), 64, 48), ((2, 16), 32, 80), ((4, 8, 16), 48, 48), ((128,), 256, 112)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.fp8_gpu)]
 TORCHAO_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]  # torchao.float8's
 
 
@@ -97,7 +97,7 @@ def test_bitwise_equal_for_non_contiguous_input(layout, recipe, device, generato
     assert_bitwise(results[1], results[0])
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 @pytest.mark.parametrize("shape", [(256, 512, 1024), (4096, 1024, 2048), (1024, 384, 256)], ids=str)
 def test_blockwise_bitwise_equal_to_torchao_on_the_gpu(shape, generator):
     """The same block scales, the same torch.nn.functional.scaled_mm: the same bits as torchao's

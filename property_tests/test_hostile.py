@@ -332,7 +332,7 @@ def test_a_resume_with_other_arguments_is_refused(tmp_path, monkeypatch):
 # ---- a CUDA error ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 def test_a_cuda_error_is_a_finding_of_its_case_and_later_cases_still_run():
     """A device-side assert leaves the process's CUDA context unusable: the case that triggered
     it is a finding, and the next cases run in a fresh worker on their own merits."""

@@ -1,9 +1,9 @@
 """The property suite: hypothesis-driven forward and backward properties of an FP8 linear layer.
 
-Every property runs against `--impl` (default fp8_impl), with `--against` (default
+Every property runs against `--fp8-impl` (default fp8_impl), with `--fp8-against` (default
 torchao:tensorwise) as the reference where one is needed:
 
-    pytest property_tests/test_properties.py --impl path/to/my_fp8.py:Float8Linear
+    pytest --fp8-impl path/to/my_fp8.py:Float8Linear
 
  1 parity with the reference (bitwise for tensorwise in eager mode)
  2 accuracy floors against float64, and the accumulation bound against the exact emulation

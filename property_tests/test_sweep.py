@@ -9,15 +9,26 @@ import pytest
 
 from parity.cases import Case
 from parity.cli import main
-from parity.sweep import PRESETS, llama3_shapes, nanochat_shapes, sample_cases
+from parity.sweep import PRESETS, Preset, llama3_shapes, nanochat_shapes, sample_cases
 
 
 def test_presets_name_real_layer_shapes():
     assert ("nanochat-d20 mlp.fc", 1280, 5120) in nanochat_shapes(20)
     assert ("llama3-70b mlp.down", 28672, 8192) in llama3_shapes("70b")
-    quick = PRESETS["quick"].cases("cpu")
+    quick = PRESETS["quick"].cases("cuda")
     assert len(quick) == len({case for _, case in quick}) > 100  # distinct cases
-    assert all(case.M == 64 for label, case in quick if label.startswith(("nanochat", "llama")))
+    assert all(case.M == 1024 for label, case in quick if label.startswith(("nanochat", "llama")))
+
+
+def test_the_default_sweep_on_a_cpu_runs_small_cases_and_says_so():
+    """A laptop's default: no full-width layers (their float64 references take minutes on two
+    cores), 60 sampled cases up to 128 beside the edge cases; the description says it."""
+    quick = PRESETS["quick"].cases("cpu")
+    assert not [label for label, _ in quick if label not in ("edge case", "sampled")]
+    assert len(quick) == len({case for _, case in quick}) <= 80
+    assert max(max(case.M, case.K, case.N) for label, case in quick if label == "sampled") <= 128
+    assert PRESETS["quick"].describe("cpu").startswith("no named layer shapes (on a CPU")
+    assert "60 sampled cases with M, K, N up to 128" in PRESETS["quick"].describe("cpu")
 
 
 def test_sample_is_deterministic():
@@ -25,7 +36,11 @@ def test_sample_is_deterministic():
     assert len(set(sample_cases(20))) == 20
 
 
-def test_sweep_writes_a_report_and_reports_round_trip(tmp_path, capsys):
+SMALL = Preset("quick", "one small named shape and a sample", (("small layer", 64, 32),), {"cpu": 32}, 2, 64)
+
+
+def test_sweep_writes_a_report_and_reports_round_trip(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(PRESETS, "quick", SMALL)
     out = tmp_path / "sweep"
     code = main(["sweep", "--preset", "quick", "--samples", "2", "--device", "cpu", "--quiet", "--out", str(out),
                  "--impl", "fp8_impl", "--impl", "torchao:rowwise"])
@@ -42,7 +57,8 @@ def test_sweep_writes_a_report_and_reports_round_trip(tmp_path, capsys):
         ("fp8_impl", "fp64"), ("fp8_impl", "torchao:tensorwise"), ("fp8_impl", "emulated:tensorwise"),
         ("torchao:rowwise", "fp64"), ("torchao:rowwise", "emulated:rowwise")}
     assert set(table["recipe"]) == {"tensorwise", "rowwise"}
-    assert {"nanochat-d20 mlp.fc", "sampled", "edge case"} <= set(table["shape"])
+    assert {"small layer", "sampled", "edge case"} <= set(table["shape"])
+    assert "· cases 1 named layer shapes at 32 tokens; edge cases; 2 sampled cases" in summary
 
     assert main(["report", str(out), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "index.html").exists()

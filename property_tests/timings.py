@@ -1,0 +1,65 @@
+"""Wall time of the default commands on this machine, against their bars (a benchmark, not a test).
+
+    python -m property_tests.timings [--suite] [--device cpu|cuda] [--repeat N]
+
+Each command runs as a user runs it: a fresh process (imports included), its wall clock from
+start to exit, the median of --repeat runs. The bars are for an idle 2-core CPU machine:
+
+    fp8-parity sweep --device D --quiet --out TMP       60 s
+    fp8-parity check --impl fp8_impl --device D --quiet  30 s
+    fp8-parity bisect --impl <a zoo mutant> --device D   60 s (30 s on an H200)
+    python -m pytest -q             (with --suite)       300 s
+
+A command that fails (an exit code other than the one expected) is reported as such, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def commands(device: str, out: str, suite: bool) -> list[tuple[str, list[str], int, float]]:
+    """(name, argv, expected exit code, bar in seconds)."""
+    parity = [sys.executable, "-m", "parity"]
+    listed = [
+        ("default sweep", [*parity, "sweep", "--device", device, "--quiet", "--out", out], 0, 60.0),
+        ("default check", [*parity, "check", "--impl", "fp8_impl", "--device", device, "--quiet"], 0, 30.0),
+        ("bisect of a mutant", [*parity, "bisect", "--impl", "property_tests/mutants.py:weight_scale_bf16",
+                                "--device", device], 1, 30.0 if device == "cuda" else 60.0),
+    ]
+    if suite:
+        listed.append(("test suite", [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly"], 0, 300.0))
+    return listed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--suite", action="store_true", help="also time the whole test suite")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    print(f"| command | seconds (median of {args.repeat}) | bar | within |\n| --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, argv, expected, bar in commands(args.device, f"{tmp}/sweep", args.suite):
+            seconds = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                seconds.append(time.perf_counter() - start)
+                if done.returncode != expected:
+                    print(f"| `{' '.join(argv[1:])}` | exit {done.returncode}, expected {expected}: "
+                          f"{done.stderr.strip().splitlines()[-1:] or ''} | {bar:.0f} | no |", flush=True)
+                    break
+            else:
+                median = statistics.median(seconds)
+                print(f"| {name}: `{' '.join(argv[2:])}` | {median:.1f} | {bar:.0f} | "
+                      f"{'yes' if median <= bar else 'NO'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
