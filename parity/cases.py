@@ -244,6 +244,8 @@ def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT) -> tuple[Case, ...]
         base.replace(dist=Dist.OUTLIER_ROW),
         base.replace(dist=Dist.TINY_AMAX),
         base.replace(lead=(2, 16 * unit)),  # 3-D input
+        # 3-D and non-contiguous together: a .view() that flattens tokens raises where .reshape() copies
+        base.replace(lead=(2, 16 * unit), input_layout=Layout.TRANSPOSED, grad_output_layout=Layout.TRANSPOSED),
         base.replace(N=64 * unit),  # K == N: a transposed weight has the right shape here
         base.replace(input_layout=Layout.TRANSPOSED),
         base.replace(weight_layout=Layout.TRANSPOSED, grad_output_layout=Layout.SLICED),

@@ -62,12 +62,14 @@ TORCH = str(Path(torch.__file__).resolve().parent)
 
 
 def _describe_exception(err: BaseException, where: str) -> str:
-    """"<where>: <Type>: <first line> (at file:line)", the line being the deepest frame outside the
-    harness (a problem the harness detects itself, a returned tuple, has no line of its own)."""
+    """"<where>: <Type>: <first line> (at file:line)", the line being the deepest frame of the
+    implementation's own code (outside the harness and torch; torch's own frame when there is none),
+    and none for a problem the harness detects itself (a returned tuple)."""
     every = traceback.extract_tb(err.__traceback__)
     frames = [f for f in every if not f.filename.startswith(HARNESS)]
-    if every and every[-1].filename.startswith(HARNESS):  # raised by the harness: point at the user's code, if any
-        frames = [f for f in frames if not f.filename.startswith(TORCH)]
+    code = [f for f in frames if not f.filename.startswith(TORCH)]  # the implementation's own lines
+    if code or (every and every[-1].filename.startswith(HARNESS)):  # raised by the harness: the user's line or none
+        frames = code
     at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     message = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{where}: {type(err).__name__}: {message}{at}"
@@ -126,6 +128,7 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
             grad_output = materialize(step.grad_output, case.grad_output_layout, dtype=in_dtype)
             input_version, weight_version = input._version, weight._version
             weight_before, input_before = weight.detach().clone(), input.detach().clone()
+            grad_output_before = grad_output.clone()
             where = at(f"step {step_index}: forward")
             if recorder is not None:
                 recorder.phase, recorder.step = "forward", step_index
@@ -150,6 +153,8 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
             if weight._version != weight_version or not _same_values(weight, weight_before):
                 result.problems.append(f"step {step_index}: the weight was modified in place by forward/backward"
                                        + ("" if weight._version != weight_version else " (through .data)"))
+            if not _same_values(grad_output, grad_output_before):  # the caller's gradient, e.g. an in-place mul_
+                result.problems.append(f"step {step_index}: grad_output was modified in place by backward")
             if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
                 result.problems.append(f"step {step_index}: the output shares memory with the input (a view of it)")
             if data.device.type == "cuda":  # a kernel's error is asynchronous: make it surface in this phase

@@ -186,3 +186,39 @@ def test_progress_in_a_log_beats_while_a_case_runs_and_stops_with_the_command(mo
     assert len(beats) >= 2 and all(line.startswith("  3 cases run (search budget 100)") for line in beats), beats
     time.sleep(1.5)
     assert capsys.readouterr().err == ""
+
+
+GRAD_OUTPUT_MUTATOR = '''
+import torch
+
+
+class _ScalesItsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_2d, weight):
+        ctx.save_for_backward(input_2d, weight)
+        return input_2d @ weight.t().to(input_2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input_2d, weight = ctx.saved_tensors
+        grad_input = grad @ weight.to(grad.dtype)
+        grad_weight = (grad.t() @ input_2d.to(grad.dtype)).to(weight.dtype)
+        grad.mul_(0.5)  # the caller's tensor, after its last use here
+        return grad_input, grad_weight
+
+
+def matmul(input_2d, weight):
+    return _ScalesItsGradient.apply(input_2d, weight)
+'''
+
+
+def test_a_backward_that_writes_into_grad_output_is_a_contract_finding(tmp_path):
+    """Right numbers, but the caller's gradient is changed: a later consumer of it (another
+    branch of the graph) reads the wrong values."""
+    path = tmp_path / "mutator.py"
+    path.write_text(GRAD_OUTPUT_MUTATOR)
+    plan = CheckPlan.make(load_impl(f"{path}:matmul", recipe="bf16"))
+    result = run_check(plan, cases=[Case(lead=(16,), K=32, N=16)])
+    assert result.verdict == "fail"
+    assert any(v.metric == "contract" and "grad_output was modified in place by backward" in v.message
+               for v in result.violations), [v.message for v in result.violations]
