@@ -424,6 +424,8 @@ def cmd_sweep(args) -> int:
         for name in (PARTIAL_TABLE, PARTIAL_INFO):  # the complete table is written
             (out / name).unlink(missing_ok=True)
     print(judged.headline)
+    if judged.next_step:
+        print(f"next: {judged.next_step}  ({judged.NEXT_STEP_WHY})")
     print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
     return EXIT_PASS if judged.ok else EXIT_FAIL
 
@@ -522,6 +524,8 @@ def cmd_report(args) -> int:
         write_report(frame, out, candidate=args.candidate, verdict=judged,
                      write_table=out.resolve() != home.resolve())
     print(headline)
+    if judged.next_step:
+        print(f"next: {judged.next_step}  ({judged.NEXT_STEP_WHY})")
     print(f"report: {out}/summary.md")
     if not judged.ok:
         return EXIT_FAIL

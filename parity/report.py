@@ -87,6 +87,8 @@ class Verdict:
     ok: bool
     headline: str
     details: list[str] = field(default_factory=list)
+    next_step: str | None = None  # a failing verdict: the command that localizes the smallest failing case
+    NEXT_STEP_WHY = "names the GEMM, operand, bug class and trigger of the smallest failing case"
 
 
 class ResultsError(ValueError):
@@ -296,7 +298,21 @@ def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
                        f"reference raised (first: {first['case_id']} vs {first['reference']})")
         details += [f"reference raised: {row.case_id} {row.tensor} step {row.step} vs {row.reference}: "
                     f"{row.reference_error}" for row in reference_failed.head(DETAILS_PER_FINDING).itertuples()]
-    return Verdict(False, f"FAIL: {candidate} ({recipe}) " + "; ".join(phrases), [*details, accuracy, *skip_line])
+    return Verdict(False, f"FAIL: {candidate} ({recipe}) " + "; ".join(phrases), [*details, accuracy, *skip_line],
+                   _next_step(mine, violations, reference_failed, candidate, recipe))
+
+
+def _next_step(rows: pd.DataFrame, violations: Sequence[Violation], reference_failed: pd.DataFrame,
+               candidate: str, recipe: str) -> str | None:
+    """`fp8-parity bisect` on the smallest failing case (fewest multiply-adds, then fewest steps)."""
+    from parity.impls import BUILTINS
+    failing = {v.case_id for v in violations} | set(reference_failed["case_id"])
+    cases = rows[rows["case_id"].isin(failing)].drop_duplicates("case_id")
+    if cases.empty:
+        return None
+    smallest = cases.assign(work=cases["M"] * cases["K"] * cases["N"]).sort_values(["work", "steps"]).iloc[0]
+    recipe_flag = "" if candidate in BUILTINS or recipe == "tensorwise" else f" --recipe {recipe}"
+    return f"fp8-parity bisect --impl {candidate}{recipe_flag} --case '{smallest['case_id']}'"
 
 
 _judge = verdict  # write_report's parameter `verdict` shadows the function
@@ -401,6 +417,8 @@ def _markdown(title: str, judged: Verdict, env: Mapping, sections: list, images:
         text, align = _displayed(table)
         lines.append(text.to_markdown(index=False, disable_numparse=True, colalign=align) if len(text) else "(no rows)")
     lines += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
+    if judged.next_step:
+        lines += ["", "## What to run next", "", f"`{judged.next_step}`: {Verdict.NEXT_STEP_WHY}"]
     return "\n".join(lines) + "\n"
 
 
@@ -413,6 +431,8 @@ def _html(title: str, judged: Verdict, env: Mapping, sections: list, images: lis
         text, _ = _displayed(table)
         body.append(text.to_html(index=False, border=0) if len(text) else "<p>(no rows)</p>")
     body += ["<h2>Plots</h2>", *(f'<p><img src="{e(i.name)}" alt="{e(i.stem)}" /></p>' for i in images)]
+    if judged.next_step:
+        body += ["<h2>What to run next</h2>", f"<p><code>{e(judged.next_step)}</code>: {e(Verdict.NEXT_STEP_WHY)}</p>"]
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8" />\n<title>{e(title)}</title>\n'
             f"<style>\n{CSS}\n</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
 

@@ -69,7 +69,13 @@ def test_sweep_writes_a_report_and_reports_round_trip(tmp_path, capsys, monkeypa
 def test_sweep_exits_1_when_the_candidate_loses_parity(tmp_path, capsys):
     code = main(["sweep", "--preset", "quick", "--samples", "0", "--device", "cpu", "--quiet", "--out",
                  str(tmp_path), "--impl", "property_tests/mutants.py:weight_scale_bf16"])
-    assert code == 1 and capsys.readouterr().out.startswith("FAIL")
+    out = capsys.readouterr().out
+    assert code == 1 and out.startswith("FAIL")
+    # a failing report ends with what to run next: bisect on the smallest failing case
+    command = "fp8-parity bisect --impl property_tests/mutants.py:weight_scale_bf16 --case 'M"
+    assert out.splitlines()[1].startswith(f"next: {command}"), out
+    summary = (tmp_path / "summary.md").read_text().rstrip().splitlines()
+    assert summary[-3] == "## What to run next" and summary[-1].startswith(f"`{command}"), summary[-3:]
 
 
 def test_sharded_sweep_equals_one_worker():
