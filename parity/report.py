@@ -61,8 +61,9 @@ EXAMPLES_IN_HEADLINE = 3
 TABLE_HEADINGS = {  # table name -> (heading, note)
     "overall": ("Accuracy against fp64 and bitwise parity, per implementation and tensor",
                 "SQNR columns are order statistics over the rows against fp64; inf means bitwise equal to fp64 "
-                "(all-zero data). NaN/Inf counts the candidate's non-finite elements (also where the reference "
-                "has them: fp16 overflow); crashed cases: cases where the implementation raised; skipped cases: "
+                "(all-zero data). NaN/Inf where fp64 is finite: the candidate's non-finite elements that the data "
+                "does not explain (a finding); NaN/Inf from overflow: Inf where the output dtype itself overflows "
+                "(fp16's 65504), and NaN where fp64 has it too; crashed cases: cases where the implementation raised; skipped cases: "
                 "cases the implementation or its reference cannot take (its recipe's alignment, a CUDA-only "
                 "kernel, a known limitation), listed in the verdict."),
     "by_k": ("Median SQNR against fp64 (dB) by K", None),
@@ -183,12 +184,27 @@ def _overall(frame: pd.DataFrame) -> pd.DataFrame:
         "SQNR min (dB)": sqnr.min(),
         "max rel err": accuracy["max_rel_err"].max(),
         "bitwise vs its recipe's reference (%)": 100 * parity.groupby(keys, observed=True)["bitwise"].mean(),
-        "NaN/Inf": (once["nan"] + once["inf"]).groupby([once["impl"], once["tensor"]], observed=True).sum(),
+        **_nonfinite_counts(frame, once),
         "crashed cases": crashed.groupby(keys, observed=True)["case_id"].nunique(),
         "skipped cases": frame[_skipped(frame)].groupby(keys, observed=True)["case_id"].nunique(),
     }, axis=1)
-    counts = ["cases", "NaN/Inf", "crashed cases", "skipped cases"]
+    counts = ["cases", "NaN/Inf where fp64 is finite", "NaN/Inf from overflow", "crashed cases", "skipped cases"]
     return table.assign(**{c: table[c].fillna(0).astype(int) for c in counts})
+
+
+def _nonfinite_counts(frame: pd.DataFrame, once: pd.DataFrame) -> dict[str, pd.Series]:
+    """The candidate's non-finite elements in two kinds, from its rows against fp64: where fp64 is
+    finite and far from the output dtype's overflow (a finding: NaN, or Inf the data does not
+    explain), and Inf from overflow of a narrow dtype (fp16's 65504: the data's, not the code's)."""
+    vs64 = frame[frame["reference"] == "fp64"].drop_duplicates(["case_id", "impl", "tensor", "step"])
+    if vs64.empty:  # no fp64 rows: the counts alone
+        vs64 = once
+    nan, inf = vs64["nan"].fillna(0), vs64["inf"].fillna(0)
+    unexpected_inf = vs64["unexpected_inf"].fillna(0) if "unexpected_inf" in vs64 else inf
+    finding = (nan - vs64["ref_nan"].fillna(0)).clip(lower=0) + unexpected_inf
+    keys = [vs64["impl"], vs64["tensor"]]
+    return {"NaN/Inf where fp64 is finite": finding.groupby(keys, observed=True).sum(),
+            "NaN/Inf from overflow": (nan + inf - finding).clip(lower=0).groupby(keys, observed=True).sum()}
 
 
 def _median_sqnr_by(rows: pd.DataFrame, column: str) -> pd.DataFrame:

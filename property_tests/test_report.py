@@ -291,3 +291,15 @@ def test_a_report_cut_short_never_leaves_the_old_summary_beside_a_new_table(resu
     assert (tmp_path / "results.csv.gz").read_bytes() != old_table
     assert len(read_results(tmp_path)) == len(results) - 1  # the new table, whole
     assert not (tmp_path / "summary.md").exists() and not (tmp_path / "index.html").exists()
+
+
+def test_nonfinite_counts_separate_findings_from_overflow_of_the_data(results):
+    """NaN that fp64 does not have, and Inf far from the output dtype's max, are findings; Inf
+    where fp16 itself overflows is the data's. The report counts them apart."""
+    frame = results.copy()
+    row = (frame["impl"] == "fp8_impl") & (frame["reference"] == "fp64") & (frame["tensor"] == "output")
+    first = frame.index[row][0]
+    frame.loc[first, ["nan", "ref_nan", "inf", "unexpected_inf"]] = [3, 0, 5, 1]
+    overall = summary_tables(frame)["overall"].loc[("fp8_impl", "output")]
+    assert overall["NaN/Inf where fp64 is finite"] == 3 + 1
+    assert overall["NaN/Inf from overflow"] == 4
