@@ -322,12 +322,13 @@ def _next_step(rows: pd.DataFrame, violations: Sequence[Violation], reference_fa
                candidate: str, recipe: str) -> str | None:
     """`fp8-parity bisect` on the smallest failing case (fewest multiply-adds, then fewest steps)."""
     from parity.impls import BUILTINS
+    from parity.recipes import DEFAULT_RECIPE
     failing = {v.case_id for v in violations} | set(reference_failed["case_id"])
     cases = rows[rows["case_id"].isin(failing)].drop_duplicates("case_id")
     if cases.empty:
         return None
     smallest = cases.assign(work=cases["M"] * cases["K"] * cases["N"]).sort_values(["work", "steps"]).iloc[0]
-    recipe_flag = "" if candidate in BUILTINS or recipe == "tensorwise" else f" --recipe {recipe}"
+    recipe_flag = "" if candidate in BUILTINS or recipe == DEFAULT_RECIPE.name else f" --recipe {recipe}"
     return f"fp8-parity bisect --impl {candidate}{recipe_flag} --case '{smallest['case_id']}'"
 
 
