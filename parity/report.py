@@ -63,7 +63,8 @@ TABLE_HEADINGS = {  # table name -> (heading, note)
                 "SQNR columns are order statistics over the rows against fp64; inf means bitwise equal to fp64 "
                 "(all-zero data). NaN/Inf where fp64 is finite: the candidate's non-finite elements that the data "
                 "does not explain (a finding); NaN/Inf from overflow: Inf where the output dtype itself overflows "
-                "(fp16's 65504), and NaN where fp64 has it too; crashed cases: cases where the implementation raised; skipped cases: "
+                "(fp16's 65504), and NaN where fp64 has it too; crashed cases: cases where the implementation "
+                "raised; skipped cases: "
                 "cases the implementation or its reference cannot take (its recipe's alignment, a CUDA-only "
                 "kernel, a known limitation), listed in the verdict."),
     "by_k": ("Median SQNR against fp64 (dB) by K", None),

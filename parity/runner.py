@@ -75,8 +75,6 @@ def _describe_exception(err: BaseException, where: str) -> str:
     return f"{where}: {type(err).__name__}: {message}{at}"
 
 
-
-
 @dataclass(frozen=True)
 class Comparison:
     """`impl` against `reference`, judged by `policy`."""
@@ -138,8 +136,7 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
                 output = module(input)
             if not isinstance(output, torch.Tensor):
                 raise TypeError(f"the module returned {type(output).__name__}, not a tensor")
-            if data.device.type == "cuda":  # a kernel's error is asynchronous: make it surface in this phase
-                torch.cuda.synchronize(data.device)
+            _surface_kernel_errors(data.device)
             result.forward_outputs.append(output.detach())
             where = at(f"step {step_index}: backward")
             if recorder is not None:
@@ -157,8 +154,7 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
                 result.problems.append(f"step {step_index}: grad_output was modified in place by backward")
             if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
                 result.problems.append(f"step {step_index}: the output shares memory with the input (a view of it)")
-            if data.device.type == "cuda":  # a kernel's error is asynchronous: make it surface in this phase
-                torch.cuda.synchronize(data.device)
+            _surface_kernel_errors(data.device)
             results = dict(output=output.detach(), grad_input=input.grad, grad_weight=weight.grad,
                            grad_bias=None if bias is None else bias.grad)
             result.steps.append(results)
@@ -184,6 +180,13 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
         result.calls = recorder.calls
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _surface_kernel_errors(device: torch.device) -> None:
+    """A CUDA kernel's error is asynchronous: wait here, so that it is reported in the phase
+    (forward, backward) whose kernel raised it, not in a later one."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _cuda_context_lost(device: torch.device) -> bool:
