@@ -531,8 +531,8 @@ def bench_tables(frame: pd.DataFrame) -> list[tuple[str, str | None, pd.DataFram
 
 
 def plot_speedup(fig: Figure, frame: pd.DataFrame, *, column: str = "vs_torchao", what: str = "wall") -> None:
-    """Speedup vs torchao:tensorwise per shape (`column`: by wall or GPU time), one bar per
-    implementation, eager and compiled."""
+    """Speedup vs torchao's implementation of the same recipe per shape (`column`: by wall or GPU
+    time), one bar per implementation, eager and compiled."""
     modes, impls, shapes = (sorted(frame["compiled"].unique()), list(frame["impl"].unique()),
                             list(frame["shape"].unique()))
     fig.set_size_inches(4.5 * len(modes) + 2, 0.18 * len(shapes) * len(impls) + 1.5)
@@ -545,7 +545,7 @@ def plot_speedup(fig: Figure, frame: pd.DataFrame, *, column: str = "vs_torchao"
                     color=f"C{i}")
         ax.axvline(1, color="black", lw=0.8)
         ax.set(title=f"{'compiled' if compiled else 'eager'} ({what} time)",
-               xlabel="speedup vs torchao:tensorwise (> 1: faster)")
+               xlabel="speedup vs torchao, same recipe (> 1: faster)")
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(y + 0.4 - height / 2, shapes, fontsize=8)
     axes[0].invert_yaxis()
