@@ -4,6 +4,16 @@ All metrics of one pair are computed on the tensors' device in float64 and fetch
 single host transfer. NaN and Inf are compared positionally: NaN against NaN and an
 infinity against the same infinity count as equal; any other disagreement involving a
 non-finite value is an infinite error.
+
+Where the reference is zero an elementwise relative error is x / 0 = inf and an ULP distance
+counts subnormal spacings (1e44 of them for fp32): numbers that say nothing. So:
+
+    max_rel_err   the greatest |candidate - reference| relative to the tensor's largest |reference|
+                  (normwise): finite unless the whole reference is zero and the candidate is not
+    ulp_max/p99   ULP distances where the reference is not zero (zeros count 0 ULP)
+    n_diff_where_reference_zero
+                  the elements where the reference is exactly 0 and the candidate is not: their
+                  error is in max_abs_err and the SQNR, not in ULPs
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ DEFAULT_TOLERANCE = {
 }
 METRICS = ("bitwise", "n_diff", "sqnr_db", "rel_l2", "max_abs_err", "max_abs_index", "worst_candidate",
            "worst_reference", "max_rel_err", "n_mismatch", "rtol", "atol", "ulp_max", "ulp_p99", "cosine",
-           "nan", "inf", "ref_nan", "ref_inf", "unexpected_inf", "numel", "n_eff")
+           "nan", "inf", "ref_nan", "ref_inf", "unexpected_inf", "numel", "n_eff", "n_diff_where_reference_zero")
 
 
 def ulp(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -61,7 +71,7 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
                     max_abs_index=(0,) * candidate.dim(), worst_candidate=first, worst_reference=first,
                     max_rel_err=0.0, n_mismatch=0, rtol=rtol, atol=atol, ulp_max=0.0, ulp_p99=0.0, cosine=1.0,
                     nan=0, inf=int(inf), ref_nan=0, ref_inf=int(inf), unexpected_inf=0, numel=candidate.numel(),
-                    n_eff=float(candidate.numel()))
+                    n_eff=float(candidate.numel()), n_diff_where_reference_zero=0)
     c = candidate.detach().to(torch.float64)
     r = reference.detach().to(torch.float64)
     if reference.dtype != dtype and dtype.is_floating_point:
@@ -76,9 +86,9 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
     abs_err = torch.where(nonfinite, torch.where(same_special, 0.0, math.inf), (c - r).abs())
     r_finite = torch.where(torch.isfinite(r), r, 0.0)
     c_finite = torch.where(torch.isfinite(c), c, 0.0)
-    rel_err = torch.where(abs_err == 0, 0.0, abs_err / r_finite.abs())  # x/0 -> inf
     mismatch = abs_err > atol + rtol * r_finite.abs()
-    ulps = abs_err / ulp(r_finite, dtype) if dtype in _FLOAT_INFO else abs_err
+    reference_zero = r == 0  # no spacing to count ULPs in: counted apart (n_diff_where_reference_zero)
+    ulps = torch.where(reference_zero, 0.0, abs_err / ulp(r_finite, dtype)) if dtype in _FLOAT_INFO else abs_err
     signal = torch.linalg.vector_norm(r_finite)
     noise = torch.linalg.vector_norm(torch.where(torch.isinf(abs_err), 0.0, c_finite - r_finite))
     cosine = (c_finite * r_finite).sum() / (torch.linalg.vector_norm(c_finite) * signal)
@@ -89,7 +99,7 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
     stats = torch.stack([
         signal, noise, flat_abs[worst] if numel else zero, worst.to(torch.float64) if numel else zero,
         c.reshape(-1)[worst] if numel else zero, r.reshape(-1)[worst] if numel else zero,
-        rel_err.max() if numel else zero, mismatch.sum().to(torch.float64), ulps.max() if numel else zero,
+        r_finite.abs().max() if numel else zero, mismatch.sum().to(torch.float64), ulps.max() if numel else zero,
         torch.quantile(ulps.reshape(-1)[:2**24], 0.99) if numel else zero,
         cosine, c_nan.sum().to(torch.float64), c_inf.sum().to(torch.float64),
         r_nan.sum().to(torch.float64), r_inf.sum().to(torch.float64),
@@ -97,9 +107,11 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
         # infinities where the reference is finite and far from overflowing `dtype` (not an fp16 output
         # that a rounding pushed past 65504, which a correct implementation may also do)
         (c_inf & ~r_inf & (r_finite.abs() < 0.5 * torch.finfo(overflow_dtype).max)).sum().to(torch.float64),
+        (reference_zero & (abs_err != 0)).sum().to(torch.float64),
     ]).tolist()  # the one host transfer
-    (signal, noise, max_abs, argmax, worst_c, worst_r, max_rel, n_mismatch, ulp_max, ulp_p99, cosine,
-     nan, inf, ref_nan, ref_inf, n_diff, fourth, unexpected_inf) = stats
+    (signal, noise, max_abs, argmax, worst_c, worst_r, ref_amax, n_mismatch, ulp_max, ulp_p99, cosine,
+     nan, inf, ref_nan, ref_inf, n_diff, fourth, unexpected_inf, n_diff_where_reference_zero) = stats
+    max_rel = max_abs / ref_amax if ref_amax else (0.0 if max_abs == 0 else math.inf)
     bitwise = candidate.dtype == reference.dtype and not n_diff
     if math.isnan(cosine):  # an all-zero tensor on either side
         cosine = 1.0 if noise == 0 else 0.0
@@ -119,6 +131,7 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, *, dtype: torch.dt
         ref_nan=int(ref_nan), ref_inf=int(ref_inf), unexpected_inf=int(unexpected_inf), numel=numel,
         # effective number of elements carrying the reference's energy: (sum r^2)^2 / sum r^4
         n_eff=signal ** 4 / fourth if fourth else float(numel),
+        n_diff_where_reference_zero=int(n_diff_where_reference_zero),
     )
 
 
@@ -139,8 +152,9 @@ def describe_mismatch(row: dict, *, allowed: str | None = None) -> str:
         f"atol={row.get('atol'):.3g}: {row.get('n_mismatch')}",
         f"  Greatest absolute difference: {row.get('max_abs_err'):.6g} at index {row.get('max_abs_index')} "
         f"(candidate {row.get('worst_candidate'):.6g}, reference {row.get('worst_reference'):.6g})",
-        f"  Greatest relative difference: {row.get('max_rel_err'):.6g}",
-        f"  ULP distance in {row.get('dtype')}: max {row.get('ulp_max'):.4g}, p99 {row.get('ulp_p99'):.4g}; "
+        f"  Greatest difference relative to the largest |reference|: {row.get('max_rel_err'):.6g}",
+        f"  ULP distance in {row.get('dtype')} where the reference is not 0: max {row.get('ulp_max'):.4g}, "
+        f"p99 {row.get('ulp_p99'):.4g}; {row.get('n_diff_where_reference_zero', 0)} elements differ where it is 0; "
         f"SQNR {row.get('sqnr_db'):.2f} dB; cosine {row.get('cosine'):.6f}",
     ]
     if allowed:

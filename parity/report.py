@@ -3,13 +3,16 @@
 The one writer of every report format. It reads the tidy table of parity.runner.run_cases
 (one row per case x implementation `impl` x `reference` x tensor x step) and gives:
 
-    summary_tables(frame)    SQNR against fp64 and bitwise parity against the parity reference,
-                             per implementation x tensor, then by K, distribution, layout, dtype
+    summary_tables(frame)    SQNR against fp64 (beside the recipe's expected SQNR and the policy's
+                             floor) and bitwise parity against the parity reference, per
+                             implementation x tensor; the crashes; where the worst values are (case,
+                             data, why, rerun command); then by K, distribution, layout, dtype
     verdict(frame)           PASS/FAIL of one candidate in one sentence, with the evidence
     write_report(frame, d)   results.csv.gz, summary.md, index.html, env.json and PNG plots in d
     read_results(path)       a results file or report directory -> the same table, or a
                              ResultsError that says what the file is instead
-    diff_results(a, b)       the rows whose metrics moved between two runs (render_diff prints it)
+    diff_results(a, b)       the rows whose metrics moved between two runs, and those only in one
+                             (render_diff prints counts, then the largest moves, bounded)
 
 SQNR statistics are order statistics (pandas' interpolation="lower"): every number shown was
 measured on some case, and SQNR = inf (the candidate equals the fp64 result bitwise, as on
@@ -35,9 +38,10 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from parity.cases import TENSORS
+from parity.cases import TENSORS, CaseError, Dist, parse_case_id
 from parity.outputs import atomic_write_bytes, atomic_write_text
-from parity.policy import Policy, Violation, evaluate
+from parity.policy import Policy, Violation, evaluate, row_policy, sqnr_floor
+from parity.recipes import DEFAULT_RECIPE, get_recipe
 
 ACCURACY_REFERENCE = "fp64"
 RESULTS_FILE, ENV_FILE = "results.csv.gz", "env.json"
@@ -58,15 +62,34 @@ TEXT_COLUMNS = ["case_id", "lead", "error", "reference_error", "contract", "scal
                 "bound_index", "recipe", "reference_recipe", "policy", "skipped", "operands"]
 DETAILS_PER_FINDING = 20
 EXAMPLES_IN_HEADLINE = 3
+# `diff`: the moved rows printed, largest first (every row is in --csv). 40 rows fill a screen; a
+# regression that moves more shows its pattern in the first 40.
+DIFF_ROWS_SHOWN = 40
+# `diff`: below this share of the smaller run's rows with a counterpart in the other, the two runs
+# are mostly different cases (another preset, seed or sample size) and their moves say little.
+DIFF_MIN_MATCHED_SHARE = 0.5
+MESSAGE_CHARS = 160  # an exception's first line in the crash table: enough for type, message and place
 TABLE_HEADINGS = {  # table name -> (heading, note)
     "overall": ("Accuracy against fp64 and bitwise parity, per implementation and tensor",
                 "SQNR columns are order statistics over the rows against fp64; inf means bitwise equal to fp64 "
-                "(all-zero data). NaN/Inf where fp64 is finite: the candidate's non-finite elements that the data "
-                "does not explain (a finding); NaN/Inf from overflow: Inf where the output dtype itself overflows "
-                "(fp16's 65504), and NaN where fp64 has it too; crashed cases: cases where the implementation "
-                "raised; skipped cases: "
-                "cases the implementation or its reference cannot take (its recipe's alignment, a CUDA-only "
-                "kernel, a known limitation), listed in the verdict."),
+                "(all-zero data). Expected SQNR: the recipe's quantization-noise model (Recipe.expected_sqnr_db); "
+                "SQNR floor: the sqnr policy's floor on normal data of many elements (parity.policy.sqnr_floor: "
+                "expected - 3 dB; lower for small tensors and tiny data; some data is not judged: see where the "
+                "worst values are). max rel err: the greatest |candidate - fp64| relative to the tensor's largest "
+                "|fp64| (normwise, so a reference of 0 gives no inf). NaN/Inf where fp64 is finite: the "
+                "candidate's non-finite elements that the data does not explain (a finding); NaN/Inf from "
+                "overflow: Inf where the output dtype itself overflows (fp16's 65504), and NaN where fp64 has it "
+                "too; crashed cases: cases where the implementation raised; skipped cases: cases the "
+                "implementation or its reference cannot take (its recipe's alignment, a CUDA-only kernel, a known "
+                "limitation), listed in the verdict."),
+    "crashes": ("Crashes, per implementation and exception",
+                "Every implementation that raised (or a reference, when it raised alone), with the first line of "
+                "the exception, the cases that raised it, the first of them, and the command that reruns it."),
+    "worst": ("Where the worst values are",
+              "The row behind each minimum SQNR and maximum relative error against fp64 and maximum ULP distance "
+              "against the recipe's exact emulation (ULPs where the reference is not 0; differing elements where "
+              "it is 0 are counted apart), its data, why the value is expected (or the finding it is), and the "
+              "command that reruns it."),
     "by_k": ("Median SQNR against fp64 (dB) by K", None),
     "by_dist": ("Median SQNR against fp64 (dB) by data distribution", None),
     "by_layout": ("Median SQNR against fp64 (dB) by operand layout",
@@ -190,7 +213,19 @@ def _overall(frame: pd.DataFrame) -> pd.DataFrame:
         "skipped cases": frame[_skipped(frame)].groupby(keys, observed=True)["case_id"].nunique(),
     }, axis=1)
     counts = ["cases", "NaN/Inf where fp64 is finite", "NaN/Inf from overflow", "crashed cases", "skipped cases"]
-    return table.assign(**{c: table[c].fillna(0).astype(int) for c in counts})
+    table = table.assign(**{c: table[c].fillna(0).astype(int) for c in counts})
+    expected = pd.DataFrame([_expected_sqnr(recipe, tensor) for (_, tensor), recipe in table["recipe"].items()],
+                            index=table.index, columns=["expected SQNR (dB)", "SQNR floor (dB)"])
+    at = table.columns.get_loc("SQNR median (dB)") + 1
+    return pd.concat([table.iloc[:, :at], expected, table.iloc[:, at:]], axis=1)
+
+
+def _expected_sqnr(recipe, tensor: str) -> tuple[float, float]:
+    """The recipe's expected SQNR of `tensor` and the sqnr policy's floor on normal data of many
+    elements (NaN for a row without a recipe)."""
+    if not isinstance(recipe, str):
+        return math.nan, math.nan
+    return get_recipe(recipe).expected_sqnr_db(tensor), sqnr_floor(recipe, tensor, Dist.NORMAL.value)
 
 
 def _nonfinite_counts(frame: pd.DataFrame, once: pd.DataFrame) -> dict[str, pd.Series]:
@@ -216,10 +251,16 @@ def _median_sqnr_by(rows: pd.DataFrame, column: str) -> pd.DataFrame:
 def summary_tables(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """The report's tables, indexed by implementation x tensor, values numeric (inf kept).
 
-    overall    recipe; cases run; median, p05 and min SQNR and max relative error against
-               fp64; the rate (%) of rows bitwise equal to the implementation of the same recipe
-               it was compared with; the implementation's NaN/Inf elements; cases that crashed;
-               cases skipped (the implementation or its reference cannot take them).
+    overall    recipe; cases run; median SQNR against fp64 beside the recipe's expected SQNR and
+               the policy's floor, p05 and min SQNR and max relative error against fp64; the
+               rate (%) of rows bitwise equal to the implementation of the same recipe it was
+               compared with; the implementation's NaN/Inf elements; cases that crashed; cases
+               skipped (the implementation or its reference cannot take them).
+    crashes    (only when something raised) per implementation and exception: its first line,
+               the cases, one example and its rerun command.
+    worst      per implementation x tensor x worst value (SQNR min, max rel err, max ULP): the
+               row that attains it, its data, why it is expected (or the finding) and its
+               rerun command.
     by_k, by_dist, by_layout, by_dtype
                median SQNR against fp64, one column per K bucket, distribution, operand layout
                (marginal: in:T holds every case with a transposed input) or dtype pair. An
@@ -231,8 +272,10 @@ def summary_tables(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
                             var_name="operand", value_name="letter")
     layouts = layouts.assign(layout=pd.Categorical(layouts["operand"].map(LAYOUT_COLUMNS) + ":" + layouts["letter"],
                                                    categories=OPERAND_LAYOUTS))
+    optional = {"crashes": _crashes(frame), "worst": _worst_values(frame)}  # shown where they have rows
     return {
         "overall": _overall(frame),
+        **{name: table for name, table in optional.items() if len(table)},
         "by_k": _median_sqnr_by(accuracy.assign(K=pd.cut(accuracy["K"], K_BINS, labels=K_LABELS)), "K"),
         "by_dist": _median_sqnr_by(accuracy, "dist"),
         "by_layout": _median_sqnr_by(layouts, "layout"),
@@ -240,8 +283,118 @@ def summary_tables(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
     }
 
 
-def _where(row) -> str:
-    return f"{row.case_id} {row.tensor} step {row.step}"
+def _recipe_flag(impl: str, recipe: str) -> list[str]:
+    """`--recipe RECIPE` for the user's code of a recipe other than the default (a built-in knows its own)."""
+    from parity.impls import BUILTINS
+    return [] if impl in BUILTINS or recipe == DEFAULT_RECIPE.name else ["--recipe", recipe]
+
+
+def _rerun(row: Mapping) -> str:
+    """The `fp8-parity check` command that runs exactly this row's case, implementation and
+    reference (parity.check.rerun_command); "" for a case id that parity.cases cannot rebuild."""
+    from parity.check import rerun_command
+    try:
+        case = parse_case_id(row["case_id"])
+    except CaseError:
+        return ""
+    device = row.get("device")
+    device = device.split(":")[0] if isinstance(device, str) else "auto"  # cuda:1 of a sharded sweep: cuda
+    recipe = row["recipe"] if isinstance(row.get("recipe"), str) else DEFAULT_RECIPE.name
+    return rerun_command(row["impl"], row["reference"], device, _recipe_flag(row["impl"], recipe))(case)
+
+
+def _first_line(text: str) -> str:
+    lines = str(text).strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= MESSAGE_CHARS else line[:MESSAGE_CHARS - 3] + "..."
+
+
+def _crashes(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per implementation that raised and the first line of its exception: the cases, the first of
+    them and its rerun command. A reference that raised while the implementation ran counts as
+    the reference's crash."""
+    keys = ["implementation", "raised as", "exception"]
+    own = frame[frame["error"].notna()]
+    of_reference = frame[frame["error"].isna() & frame["reference_error"].notna() & ~_skipped(frame)]
+    raised = pd.concat([own.assign(**dict(zip(keys, [own["impl"], "implementation", own["error"].map(_first_line)]))),
+                        of_reference.assign(**dict(zip(keys, [of_reference["reference"], "reference",
+                                                              of_reference["reference_error"].map(_first_line)])))])
+    if raised.empty:
+        return pd.DataFrame()
+    groups = raised.groupby(keys)
+    first = groups.head(1).set_index(keys)  # the first row of each group, in the table's order
+    table = groups["case_id"].nunique().rename("cases").to_frame().join(first["case_id"].rename("example case"))
+    return table.assign(rerun=[_rerun(row) for row in first.loc[table.index].reset_index().to_dict("records")])
+
+
+WORST_VALUES = [  # (label, rows it is taken from, column, the largest is the worst)
+    ("SQNR min (dB)", "against fp64", "sqnr_db", False),
+    ("max rel err", "against fp64", "max_rel_err", True),
+    ("max ULP", "against its recipe's exact emulation", "ulp_max", True),
+]
+UNJUDGED_DATA = {  # dist -> why parity.policy.sqnr_floor gives it no floor (its docstring holds the measurements)
+    Dist.TINY_AMAX.value: "amax 1e-30 is below the scale's EPS floor of 1e-12: quantized to zeros by design",
+    Dist.OUTLIER_ROW.value: "one token 10^4x larger, which pushes the other rows of a per-tensor scale into "
+                            "fp8's subnormals (a property of such recipes)",
+    Dist.NEAR_MAX.value: "fp16 output of nearmax data: products of 448^2 overflow fp16's 65504",
+}
+EXPLAINED_DATA = {  # dist -> why its values are extreme where the policy holds
+    Dist.ZEROS.value: "all-zero data: only the bias's rounding is left",
+    Dist.TINY.value: "tiny data over ~20 binades: its smallest values fall into fp8's subnormals (floor 10 dB lower)",
+}
+
+
+def _why(row: Mapping) -> str:
+    """Why a row's value is expected: what explains it (the policy does not judge that data, the
+    data, an overflow of the output dtype, elements whose reference is 0) and how its policy
+    judged it; or the finding it is."""
+    found = evaluate([row])
+    if found:
+        return f"a finding: {found[0].message}"
+    policy = row_policy(row)
+    floor = (sqnr_floor(row["recipe"], row["tensor"], row["dist"], row["input_dtype"], row.get("n_eff", math.inf))
+             if policy is Policy.SQNR else None)
+    unjudged = policy is Policy.SQNR and floor is None
+    reasons = (["not judged by SQNR: " + UNJUDGED_DATA.get(row["dist"], "the sqnr policy exempts this data")]
+               if unjudged else [EXPLAINED_DATA[row["dist"]]] if row["dist"] in EXPLAINED_DATA else [])
+    if row["inf"] > row.get("unexpected_inf", 0):
+        reasons.append("Inf where the output dtype overflows")
+    at_zero = row.get("n_diff_where_reference_zero", 0)
+    if at_zero > 0:
+        reasons.append(f"{_plural(int(at_zero), 'element')} differ where the reference is 0 (not in ULPs)")
+    if policy is Policy.SQNR and not unjudged:
+        reasons.append(f"SQNR {row['sqnr_db']:.1f} dB, above its floor of {floor:.1f} dB")
+    elif policy is Policy.ACCUMULATION:
+        reasons.append(f"at {row['bound_ratio']:.2g} of the accumulation bound" if row["bound_ratio"] > 0 else
+                       "equal to its exact emulation")
+    elif policy is Policy.BITWISE:
+        reasons.append("bitwise equal to its recipe's reference")
+    elif not unjudged:
+        reasons.append("measured, not judged")
+    return "; ".join(reasons)
+
+
+def _worst_values(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per implementation x tensor x WORST_VALUES: the row that attains it (the first, on a tie)."""
+    ran = _ran(frame).assign(tensor=lambda r: pd.Categorical(r["tensor"], categories=TENSORS))
+    sources = {"against fp64": ran[ran["reference"] == ACCURACY_REFERENCE],
+               "against its recipe's exact emulation": ran[ran["policy"] == Policy.ACCUMULATION.value]}
+    picked = []
+    for order, (label, source, column, largest) in enumerate(WORST_VALUES):
+        rows = sources[source].dropna(subset=[column])
+        if rows.empty:
+            continue
+        by = rows.groupby(["impl", "tensor"], observed=True)[column]
+        attained = rows.loc[by.idxmax() if largest else by.idxmin()]
+        picked.append(attained.assign(worst=label, order=order, value=attained[column]))
+    if not picked:
+        return pd.DataFrame()
+    rows = pd.concat(picked).sort_values(["impl", "tensor", "order"], kind="stable")
+    records = rows.to_dict("records")
+    return pd.DataFrame({"impl": rows["impl"], "tensor": rows["tensor"].astype(str), "worst": rows["worst"],
+                         "value": rows["value"].astype(float), "against": rows["reference"], "case": rows["case_id"],
+                         "dist": rows["dist"], "why": [_why(r) for r in records],
+                         "rerun": [_rerun(r) for r in records]}).reset_index(drop=True)
 
 
 METRIC_PHRASES = {  # violation metric -> what the implementation did
@@ -281,7 +434,8 @@ def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
     recipe = mine["recipe"].iloc[0]
     sqnr = _overall(mine).loc[candidate].dropna(subset=["SQNR median (dB)"]) if len(_ran(mine)) else pd.DataFrame()
     accuracy = ("SQNR vs fp64, median (p05): " + ", ".join(
-        f"{tensor} {row['SQNR median (dB)']:.1f} ({row['SQNR p05 (dB)']:.1f}) dB" for tensor, row in sqnr.iterrows())
+        f"{tensor} {row['SQNR median (dB)']:.1f} ({row['SQNR p05 (dB)']:.1f}) dB, expected "
+        f"{row['expected SQNR (dB)']:.1f} (floor {row['SQNR floor (dB)']:.1f})" for tensor, row in sqnr.iterrows())
                 if len(sqnr) else "no rows against fp64: accuracy not measured")
     skipped = mine[_skipped(mine)].drop_duplicates("case_id")
     skip_line = ([f"{_plural(len(skipped), 'case')} skipped, not judged: {skipped['skipped'].iloc[0]}"]
@@ -322,15 +476,13 @@ def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
 def _next_step(rows: pd.DataFrame, violations: Sequence[Violation], reference_failed: pd.DataFrame,
                candidate: str, recipe: str) -> str | None:
     """`fp8-parity bisect` on the smallest failing case (fewest multiply-adds, then fewest steps)."""
-    from parity.impls import BUILTINS
-    from parity.recipes import DEFAULT_RECIPE
     failing = {v.case_id for v in violations} | set(reference_failed["case_id"])
     cases = rows[rows["case_id"].isin(failing)].drop_duplicates("case_id")
     if cases.empty:
         return None
     smallest = cases.assign(work=cases["M"] * cases["K"] * cases["N"]).sort_values(["work", "steps"]).iloc[0]
-    recipe_flag = "" if candidate in BUILTINS or recipe == DEFAULT_RECIPE.name else f" --recipe {recipe}"
-    return f"fp8-parity bisect --impl {candidate}{recipe_flag} --case '{smallest['case_id']}'"
+    return " ".join(["fp8-parity bisect", "--impl", candidate, *_recipe_flag(candidate, recipe),
+                     f"--case '{smallest['case_id']}'"])
 
 
 _judge = verdict  # write_report's parameter `verdict` shadows the function
@@ -366,26 +518,50 @@ def _displayed(table: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     return text, align
 
 
+LINE_STYLES = ["-", "--", ":", "-."]
+MARKERS = "osD^v<>p"
+
+
+def _identical_to(series: Mapping[str, pd.Series]) -> dict[str, str]:
+    """impl -> the first earlier impl whose series is equal to its own (bitwise-equal implementations)."""
+    same: dict[str, str] = {}
+    names = list(series)
+    for i, impl in enumerate(names):
+        twin = next((other for other in names[:i] if other not in same and series[other].equals(series[impl])), None)
+        if twin is not None:
+            same[impl] = twin
+    return same
+
+
 def _plot_sqnr_vs_k(fig: Figure, frame: pd.DataFrame) -> None:
+    """Median SQNR per K (a line per implementation) over each case (dots), a panel per tensor.
+    Implementations with identical values (bitwise-equal ones) draw exactly over each other: each
+    has its own marker and line style, the later ones thinner on top, and the legend says
+    "identical to X", so every line stays visible and nobody reads one line as one implementation."""
     accuracy = _accuracy_rows(frame)
     finite = accuracy[np.isfinite(accuracy["sqnr_db"])]
     tensors = [t for t in TENSORS if t in set(finite["tensor"])]
-    styles = {impl: dict(color=f"C{i}", marker="osD^v<>p"[i % 8])  # a bitwise-equal pair overlaps exactly:
-              for i, impl in enumerate(sorted(finite["impl"].unique()))}  # thinner lines on top keep both visible
+    impls = sorted(finite["impl"].unique())
+    medians = {impl: rows.groupby(["tensor", "K"], observed=True)["sqnr_db"].median()
+               for impl, rows in finite.groupby("impl")}
+    twins = _identical_to(medians)
+    styles = {impl: dict(color=f"C{i}", marker=MARKERS[i % len(MARKERS)], ls=LINE_STYLES[i % len(LINE_STYLES)],
+                         lw=max(0.8, 2.6 - 0.6 * i), ms=4)
+              for i, impl in enumerate(impls)}
     fig.set_size_inches(3.6 * len(tensors) + 1, 3.8)
     axes = fig.subplots(1, len(tensors), sharey=True, squeeze=False)[0]
     for ax, tensor in zip(axes, tensors):
         for impl, rows in finite[finite["tensor"] == tensor].groupby("impl"):
             ax.scatter(rows["K"], rows["sqnr_db"], s=6, alpha=0.25, color=styles[impl]["color"])
-            median = rows.groupby("K")["sqnr_db"].median()
-            ax.plot(median.index, median.to_numpy(), ms=4, lw=max(1.0, 3.0 - 0.5 * len(ax.lines)), label=impl,
-                    mfc="none", **styles[impl])
+            median = medians[impl].loc[tensor]
+            label = impl + (f" (identical to {twins[impl]})" if impl in twins else "")
+            ax.plot(median.index, median.to_numpy(), label=label, mfc="none", **styles[impl])
         ax.set_xscale("log", base=2)
         ax.set(title=tensor, xlabel="K")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("SQNR vs fp64 (dB)")
     handles = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
-    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=len(handles), fontsize=8)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(len(handles), 3), fontsize=8)
     infinite = int(np.isinf(accuracy["sqnr_db"]).sum())
     fig.suptitle(f"SQNR against fp64 by K: median per K (line), each case (dots); {_plural(infinite, 'row')} "
                  f"with infinite SQNR (inf: bitwise equal to fp64) not drawn", fontsize=10)
@@ -395,17 +571,20 @@ def _plot_parity_heatmap(fig: Figure, frame: pd.DataFrame, candidate: str) -> No
     rows = _ran(_parity_rows(frame[frame["impl"] == candidate]))
     labelled = rows.assign(layout=_layout_label(rows), dtypes=_dtype_label(rows), bitwise=rows["bitwise"].astype(float))
     rate = 100 * labelled.pivot_table(index="layout", columns="dtypes", values="bitwise", aggfunc="mean")
-    fig.set_size_inches(1.3 * rate.shape[1] + 3.5, 0.25 * rate.shape[0] + 1.8)
+    cases = labelled.pivot_table(index="layout", columns="dtypes", values="case_id", aggfunc="nunique")
+    cases = cases.reindex(index=rate.index, columns=rate.columns)
+    fig.set_size_inches(1.5 * rate.shape[1] + 3.5, 0.25 * rate.shape[0] + 1.8)
     ax = fig.subplots()
     image = ax.imshow(rate.to_numpy(dtype=float), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
     ax.set_xticks(range(rate.shape[1]), rate.columns, fontsize=8)
     ax.set_yticks(range(rate.shape[0]), rate.index, fontsize=7, family="monospace")
     for (i, j), value in np.ndenumerate(rate.to_numpy(dtype=float)):
         if not math.isnan(value):
-            ax.text(j, i, f"{_percent(value, 1)}%", ha="center", va="center", fontsize=7)
+            ax.text(j, i, f"{_percent(value, 1)}% n={int(cases.iat[i, j])}", ha="center", va="center", fontsize=7)
     fig.colorbar(image, ax=ax, label="bitwise equal (%)")
     references = ", ".join(sorted(rows["reference"].unique()))
-    ax.set_title(f"{candidate} bitwise equal to {references}\n(layout: in/w/go; blank: not run)", fontsize=9)
+    ax.set_title(f"{candidate} bitwise equal to {references}\n(layout: in/w/go; n: cases; blank: not run)",
+                 fontsize=9)
 
 
 def _standard_plots(frame: pd.DataFrame, candidate: str) -> dict[str, Callable]:
@@ -560,7 +739,8 @@ def diff_results(a: pd.DataFrame, b: pd.DataFrame, *, sqnr_tolerance_db: float =
 
     lost/gained bitwise parity; started/stopped raising (the implementation, or the reference:
     "reference: ..."); NaN/Inf count changed (the candidate's non-finite elements); SQNR
-    fell/rose by more than `sqnr_tolerance_db`; only in A / only in B. Metrics are compared
+    fell/rose by more than `sqnr_tolerance_db`; only in A / only in B (a row of one run without a
+    counterpart in the other: not a move; render_diff counts them apart). Metrics are compared
     where neither side raised. A key that repeats within a set (a case run twice) is one
     measurement, since a case id fixes its data: its first row stands for it.
 
@@ -570,6 +750,7 @@ def diff_results(a: pd.DataFrame, b: pd.DataFrame, *, sqnr_tolerance_db: float =
     written with a few significant digits, so only real changes show.
     """
     columns = [*KEY, "bitwise", "sqnr_db", "nan", "inf", "raised"]
+    a_cases, b_cases = (frame.attrs.get("env", {}).get("cases") for frame in (a, b))  # the sweep's case set, in words
     a, b = (frame.assign(raised=frame["error"].fillna("reference: " + frame["reference_error"]))[columns]
             .drop_duplicates(KEY) for frame in (_validated(a), _validated(b)))
     merged = a.merge(b, on=KEY, how="outer", suffixes=("_a", "_b"), indicator=True)
@@ -597,22 +778,45 @@ def diff_results(a: pd.DataFrame, b: pd.DataFrame, *, sqnr_tolerance_db: float =
     diff = pd.concat([f.astype({"a_value": object, "b_value": object}) for f in found], ignore_index=True)
     diff = (diff.assign(change=pd.Categorical(diff["change"], categories=CHANGES))
             .sort_values(["change", *KEY], ignore_index=True))
-    diff.attrs.update(rows_compared=len(both), sqnr_tolerance_db=sqnr_tolerance_db)
+    diff.attrs.update(rows_compared=len(both), sqnr_tolerance_db=sqnr_tolerance_db, rows_a=len(a), rows_b=len(b),
+                      cases_a=a_cases, cases_b=b_cases)
     return diff
 
 
+ONE_SIDED = ["only in A", "only in B"]
+
+
 def render_diff(diff: pd.DataFrame) -> str:
-    """A one-line summary (rows moved, by kind of change) and a compact text table of `diff`."""
+    """What `fp8-parity diff` prints: first, in one line, when the two runs hold mostly different
+    cases (other presets, or under DIFF_MIN_MATCHED_SHARE of the rows matched); the rows matched,
+    only in A and only in B; the moves by kind; then the DIFF_ROWS_SHOWN largest moves (worst kind
+    first, then the largest |delta|) and how many more there are."""
     compared, tolerance = diff.attrs.get("rows_compared", "?"), diff.attrs.get("sqnr_tolerance_db", "?")
-    scope = f"{compared} rows in both; SQNR tolerance {tolerance} dB"
-    if diff.empty:
-        return f"No row moved beyond noise ({scope}).\n"
-    counts = diff["change"].value_counts(sort=False)
-    counts = counts[counts > 0]
-    moved = diff[KEY].drop_duplicates().shape[0]
-    summary = (f"{_plural(moved, 'row')} moved beyond noise ({scope}): "
-               + ", ".join(f"{n} {change}" for change, n in counts.items()))
-    shown = diff.assign(**{c: diff[c].map(lambda v: str(v)[:60] if isinstance(v, str) else v)
-                           for c in ("a_value", "b_value")})
+    counts = diff["change"].value_counts(sort=False) if len(diff) else pd.Series(0, index=CHANGES)
+    only_a, only_b = (int(counts.get(side, 0)) for side in ONE_SIDED)
+    lines = []
+    cases_a, cases_b = diff.attrs.get("cases_a"), diff.attrs.get("cases_b")
+    smaller = min(diff.attrs.get("rows_a", 0), diff.attrs.get("rows_b", 0))
+    if cases_a and cases_b and cases_a != cases_b:
+        lines.append(f"A and B ran different cases (A: {cases_a}; B: {cases_b}): only the rows of both are compared.")
+    elif isinstance(compared, int) and compared < DIFF_MIN_MATCHED_SHARE * smaller:
+        lines.append(f"A and B share only {compared} of the smaller run's {smaller} rows: they ran mostly different "
+                     f"cases (another preset, seed or --samples); compare runs of the same sweep.")
+    lines.append(f"{compared} rows in both, {only_a} only in A, {only_b} only in B; SQNR tolerance {tolerance} dB")
+    moves = diff[~diff["change"].isin(ONE_SIDED)] if len(diff) else diff
+    if moves.empty:
+        lines.append("No row moved beyond noise.")
+        return "\n".join(lines) + "\n"
+    moved = moves[KEY].drop_duplicates().shape[0]
+    lines.append(f"{_plural(moved, 'row')} moved beyond noise: "
+                 + ", ".join(f"{n} {change}" for change, n in counts.items() if n and change not in ONE_SIDED))
+    largest = (moves.assign(size=moves["delta"].abs().fillna(math.inf))
+               .sort_values(["change", "size"], ascending=[True, False], kind="stable").drop(columns="size"))
+    shown = largest.head(DIFF_ROWS_SHOWN)
+    shown = shown.assign(**{c: shown[c].map(lambda v: str(v)[:60] if isinstance(v, str) else v)
+                            for c in ("a_value", "b_value")})
     text, align = _displayed(shown)
-    return f"{summary}\n\n{text.to_markdown(index=False, tablefmt='simple', disable_numparse=True, colalign=align)}\n"
+    lines += ["", text.to_markdown(index=False, tablefmt="simple", disable_numparse=True, colalign=align)]
+    if len(moves) > DIFF_ROWS_SHOWN:
+        lines.append(f"... and {len(moves) - DIFF_ROWS_SHOWN} more moves (--csv FILE writes every one)")
+    return "\n".join(lines) + "\n"

@@ -159,6 +159,13 @@ def sample_cases(count: int, *, max_dim: int = 256, seed: int = 0, alignment: in
     return unique[:count]
 
 
+def case_work(case: Case) -> int:
+    """The work of a case, for the ETA: multiply-adds of its GEMMs, M*K*N per GEMM and step (each
+    of the three GEMMs of a step has M*K*N, and every case runs the same implementations and
+    references, so the common factors cancel in a share of the work)."""
+    return case.M * case.K * case.N * case.steps
+
+
 class SweepInterrupted(Exception):
     """A sweep stopped by Ctrl-C or SIGTERM: `frame` holds the cases that finished."""
 
@@ -168,7 +175,7 @@ class SweepInterrupted(Exception):
 
 
 def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[Comparison], *,
-              device: str, progress: Callable[[int, int, float], None] | None = None,
+              device: str, progress: Callable[..., None] | None = None,
               isolate: bool | None = None,
               time_limit: float | None = None, done: pd.DataFrame | None = None,
               checkpoint: Callable[[pd.DataFrame], None] | None = None,
@@ -181,10 +188,14 @@ def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[
     holds the rows of an interrupted sweep: its cases are not run again. `checkpoint(frame)` gets
     the rows so far every `checkpoint_seconds`. A Ctrl-C or SIGTERM stops the sweep at once (the
     running case is dropped) and raises SweepInterrupted with the rows of the finished cases.
+    `progress(done, total, elapsed, work=(work_done, work_planned))` follows every case: cases
+    done and planned (a resumed sweep's included), seconds, and the work of this run's cases
+    (case_work) done and planned, from which parity.cli.Progress estimates the time left.
     The frame's attrs: env, done and planned (cases)."""
     records = [] if done is None else done.to_dict("records")
     finished = {(row["shape"], row["case_id"]) for row in records}
     todo = [(label, case) for label, case in labelled_cases if (label, case.id) not in finished]
+    work_planned, work_done = sum(case_work(case) for _, case in todo), 0
     start = last_checkpoint = time.perf_counter()
 
     def frame_of(count: int) -> pd.DataFrame:
@@ -202,10 +213,12 @@ def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[
                 rows = [{**row, "shape": label} for row in rows]
                 records.extend(rows)  # one step: an interrupt never leaves half a case
                 count += 1
+                work_done += case_work(case)
                 if device == "cuda" and runner is None:
                     torch.cuda.empty_cache()  # large named shapes would otherwise pile up cached blocks
                 if progress is not None:
-                    progress(len(labelled_cases) - len(todo) + count, len(labelled_cases), time.perf_counter() - start)
+                    progress(len(labelled_cases) - len(todo) + count, len(labelled_cases), time.perf_counter() - start,
+                             work=(work_done, work_planned))
                 if checkpoint is not None and time.perf_counter() - last_checkpoint > checkpoint_seconds:
                     checkpoint(frame_of(count))
                     last_checkpoint = time.perf_counter()

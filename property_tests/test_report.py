@@ -73,7 +73,7 @@ def test_index_html_is_well_formed_and_standalone(report):
     out, _ = report
     page = (out / "index.html").read_text()
     root = ElementTree.fromstring(page.removeprefix("<!DOCTYPE html>\n"))  # raises if not well-formed
-    assert root.find("head/style") is not None and len(root.findall(".//table")) == 5
+    assert root.find("head/style") is not None and len(root.findall(".//table")) == 6  # with the worst values
     assert {img.get("src") for img in root.iter("img")} == {"sqnr_vs_k.png", "parity_heatmap.png"}
     assert "<script" not in page and "http" not in page
 
@@ -160,13 +160,15 @@ def test_diff_finds_planted_moves_and_ignores_noise(results):
     assert found == {key(moved): "SQNR rose", key(flipped): "lost bitwise parity", key(dropped): "only in A",
                      key(raising): "started raising"}
     assert diff.loc[diff["change"] == "SQNR rose", "delta"].item() == pytest.approx(1.0)
-    summary = render_diff(diff).splitlines()[0]
-    assert summary.startswith("4 rows moved beyond noise") and "1 lost bitwise parity" in summary
+    counts, summary = render_diff(diff).splitlines()[:2]
+    assert counts.startswith(f"{len(results) - 1} rows in both, 1 only in A, 0 only in B")
+    assert summary.startswith("3 rows moved beyond noise") and "1 lost bitwise parity" in summary
+    assert "only in A" not in summary  # a row without a counterpart did not move
 
 
 def test_identical_results_do_not_differ(results):
     diff = diff_results(results, results.copy())
-    assert diff.empty and render_diff(diff).startswith("No row moved beyond noise")
+    assert diff.empty and render_diff(diff).splitlines()[1] == "No row moved beyond noise."
 
 
 @pytest.mark.parametrize("call", [summary_tables, verdict, lambda f: write_report(f, "/nonexistent/never"),
@@ -303,3 +305,198 @@ def test_nonfinite_counts_separate_findings_from_overflow_of_the_data(results):
     overall = summary_tables(frame)["overall"].loc[("fp8_impl", "output")]
     assert overall["NaN/Inf where fp64 is finite"] == 3 + 1
     assert overall["NaN/Inf from overflow"] == 4
+
+
+# ---- where the worst values are, expected SQNR, crashes, plots, diffs of other runs, the ETA ----------------
+
+def _fp64_row(frame: pd.DataFrame, impl: str = "fp8_impl", tensor: str = "output") -> int:
+    rows = frame.index[(frame["impl"] == impl) & (frame["reference"] == "fp64") & (frame["tensor"] == tensor)]
+    return rows[0]
+
+
+@pytest.mark.parametrize(("dist", "input_dtype", "why"), [
+    ("tiny_amax", "bf16", "not judged by SQNR: amax 1e-30 is below the scale's EPS floor"),
+    ("outlier_row", "bf16", "not judged by SQNR: one token 10^4x larger"),
+    ("nearmax", "fp16", "not judged by SQNR: fp16 output of nearmax data"),
+    ("normal", "bf16", "a finding: output (step 0): SQNR 0.4 dB against fp64 is below the tensorwise floor"),
+])
+def test_every_minimum_names_its_case_data_why_and_rerun(results, tmp_path, dist, input_dtype, why):
+    frame = results.copy()
+    low = _fp64_row(frame)
+    frame.loc[low, ["sqnr_db", "dist", "input_dtype"]] = [0.4, dist, input_dtype]
+    worst = summary_tables(frame)["worst"].set_index(["impl", "tensor", "worst"])
+    row = worst.loc[("fp8_impl", "output", "SQNR min (dB)")]
+    case_id = frame.loc[low, "case_id"]
+    assert row["value"] == 0.4 and row["case"] == case_id and row["dist"] == dist and row["against"] == "fp64"
+    assert row["why"].startswith(why)
+    assert row["rerun"] == f"fp8-parity check --impl fp8_impl --against fp64 --device cpu --case '{case_id}'"
+    assert set(worst.index.get_level_values("worst")) == {"SQNR min (dB)", "max rel err"}  # no emulation here
+    write_report(frame, tmp_path, plots=False)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Where the worst values are" in summary and f"--case '{case_id}'" in summary
+
+
+@pytest.fixture(scope="module")
+def emulated_results() -> pd.DataFrame:
+    """fp8_impl against fp64 and its recipe's exact emulation on one tiny case."""
+    return run_cases([Case(lead=(16,), K=32, N=16)],
+                     all_pairs([load_impl("fp8_impl")], [load_impl("fp64"), load_impl("emulated:tensorwise")]))
+
+
+def test_a_worst_value_within_its_policy_says_so(emulated_results):
+    worst = summary_tables(emulated_results)["worst"].set_index(["impl", "tensor", "worst"])
+    assert worst.loc[("fp8_impl", "grad_input", "SQNR min (dB)"), "why"].startswith("SQNR ")
+    assert "above its floor of" in worst.loc[("fp8_impl", "grad_input", "SQNR min (dB)"), "why"]
+    ulps = worst.xs("max ULP", level="worst")
+    assert len(ulps) == 3 and (ulps["against"] == "emulated:tensorwise").all()
+    for _, ulp in ulps.iterrows():
+        assert ulp["why"] == "equal to its exact emulation" if ulp["value"] == 0 else re.fullmatch(
+            r"at [0-9.e-]+ of the accumulation bound", ulp["why"])
+    frame = emulated_results.copy()
+    frame.loc[frame["reference"] == "emulated:tensorwise", "n_diff_where_reference_zero"] = 3
+    why = summary_tables(frame)["worst"].set_index(["impl", "tensor", "worst"]).loc[("fp8_impl", "output", "max ULP")]
+    assert why["why"].startswith("3 elements differ where the reference is 0 (not in ULPs); ")
+
+
+def test_the_median_sqnr_stands_beside_the_recipe_s_expected_sqnr_and_floor(results):
+    from parity.policy import sqnr_floor
+    from parity.recipes import get_recipe
+    overall = summary_tables(results)["overall"]
+    columns = list(overall.columns)
+    assert columns[columns.index("SQNR median (dB)") + 1:][:2] == ["expected SQNR (dB)", "SQNR floor (dB)"]
+    for (_, tensor), row in overall.iterrows():
+        recipe = get_recipe(row["recipe"])
+        assert row["expected SQNR (dB)"] == recipe.expected_sqnr_db(tensor)
+        assert row["SQNR floor (dB)"] == sqnr_floor(recipe, tensor, "normal")
+    output = overall.loc[("fp8_impl", "output")]
+    assert output["SQNR floor (dB)"] < output["expected SQNR (dB)"] < output["SQNR median (dB)"] + 3
+    said = (f"output {output['SQNR median (dB)']:.1f} ({output['SQNR p05 (dB)']:.1f}) dB, expected "
+            f"{output['expected SQNR (dB)']:.1f} (floor {output['SQNR floor (dB)']:.1f})")
+    assert said in verdict(results).details[0]
+
+
+def test_every_implementation_that_crashed_has_its_message_and_cases(results, tmp_path):
+    frame = results.copy()
+    frame["error"] = frame["error"].astype(object)
+    first_case = frame["case_id"].iloc[0]
+    frame.loc[(frame["impl"] == "fp8_impl") & (frame["case_id"] == first_case), "error"] = (
+        "step 0: forward: RuntimeError: boom\nTraceback (most recent call last): ...")
+    frame.loc[frame["impl"] == "bf16", "error"] = "step 0: backward: ValueError: bad strides"
+    crashes = summary_tables(frame)["crashes"].reset_index()
+    assert crashes[["implementation", "raised as", "exception", "cases"]].values.tolist() == [
+        ["bf16", "implementation", "step 0: backward: ValueError: bad strides", 2],
+        ["fp8_impl", "implementation", "step 0: forward: RuntimeError: boom", 1]]
+    assert crashes["example case"].tolist() == [first_case, first_case]
+    assert all(command.startswith(f"fp8-parity check --impl {impl} ")
+               for impl, command in zip(crashes["implementation"], crashes["rerun"]))
+    write_report(frame, tmp_path, plots=False)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| step 0: backward: ValueError: bad strides" in summary
+    assert "| step 0: forward: RuntimeError: boom  " in summary  # the first line alone
+    assert "crashes" not in summary_tables(results)  # nothing raised: no empty section
+
+
+def test_identical_implementations_stay_distinguishable_in_the_sqnr_plot(results):
+    from matplotlib.figure import Figure
+    twin = results[results["impl"] == "fp8_impl"].assign(impl="torchao:tensorwise")
+    fig = Figure()
+    report_module._plot_sqnr_vs_k(fig, pd.concat([results, twin], ignore_index=True))
+    labels = [text.get_text() for text in fig.legends[0].texts]
+    assert "fp8_impl" in labels and "torchao:tensorwise (identical to fp8_impl)" in labels
+    assert not any("identical" in label for label in labels if label.startswith(("fp8_impl", "bf16")))
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    mine, theirs = lines["fp8_impl"], lines["torchao:tensorwise (identical to fp8_impl)"]
+    assert mine.get_linestyle() != theirs.get_linestyle() and mine.get_marker() != theirs.get_marker()
+    assert mine.get_linewidth() > theirs.get_linewidth()  # the later one on top, thinner: both visible
+
+
+def test_heatmap_cells_show_how_many_cases_they_hold(results):
+    from matplotlib.figure import Figure
+    fig = Figure()
+    report_module._plot_parity_heatmap(fig, results, "fp8_impl")
+    cells = [text.get_text() for text in fig.axes[0].texts]
+    assert cells and all(re.fullmatch(r"\d+(\.\d)?% n=\d+", cell) for cell in cells), cells
+    assert sum(int(cell.split("n=")[1]) for cell in cells) == results["case_id"].nunique()
+
+
+def test_relative_error_and_ulps_stay_finite_where_the_reference_is_zero():
+    import torch
+
+    from parity.metrics import compare, describe_mismatch
+    reference = torch.tensor([0.0, 1.0, -2.0, 4.0])
+    candidate = torch.tensor([1e-3, 1.0, -2.0, 4.0])
+    m = compare(candidate, reference)
+    assert m["max_rel_err"] == pytest.approx(1e-3 / 4)  # relative to the largest |reference|
+    assert m["ulp_max"] == 0 and m["n_diff_where_reference_zero"] == 1  # counted apart, not 1e44 ULPs
+    assert math.isfinite(m["max_rel_err"]) and m["max_abs_err"] == pytest.approx(1e-3)
+    nonzero = compare(torch.tensor([0.0, 1.0 + 2 ** -22]), torch.tensor([0.0, 1.0]))
+    assert nonzero["ulp_max"] == 2 and nonzero["n_diff_where_reference_zero"] == 0
+    assert compare(torch.ones(3), torch.zeros(3))["max_rel_err"] == math.inf  # nothing to be relative to
+    text = describe_mismatch(dict(m, tensor="output", reference="fp64", step=0, dtype="float32"))
+    assert "relative to the largest |reference|" in text and "1 elements differ where it is 0" in text
+
+
+def _moves(results: pd.DataFrame, deltas: list[float]) -> pd.DataFrame:
+    b = results.copy()
+    finite = b.index[(b["reference"] == "fp64") & b["sqnr_db"].map(math.isfinite)]
+    for index, delta in zip(finite, deltas):
+        b.loc[index, "sqnr_db"] += delta
+    return b
+
+
+def _table_lines(text: str) -> list[str]:
+    """The body rows of render_diff's table (after the blank line: a header and a rule first)."""
+    return [line for line in text.split("\n\n", 1)[1].splitlines()[2:] if not line.startswith("... and")]
+
+
+def test_diff_lists_a_bounded_number_of_moves_largest_first(results, monkeypatch):
+    monkeypatch.setattr(report_module, "DIFF_ROWS_SHOWN", 1)
+    b = _moves(results, [-1.0, -5.0, -3.0, -2.0, -4.0, -0.5]).iloc[3:]  # the first three moves go: only in A
+    text = render_diff(diff_results(results, b))
+    lines = text.splitlines()
+    assert lines[0] == f"{len(results) - 3} rows in both, 3 only in A, 0 only in B; SQNR tolerance 0.1 dB"
+    assert lines[1] == "3 rows moved beyond noise: 3 SQNR fell"  # a row only in A is no move
+    shown = _table_lines(text)
+    assert len(shown) == 1 and shown[0].split()[-1] == "-4.00"  # the largest move first
+    assert text.rstrip().endswith("... and 2 more moves (--csv FILE writes every one)")
+    assert "only in A" not in text.split("\n\n", 1)[1]
+
+
+def test_diff_of_runs_of_other_cases_says_so_first(results):
+    a, b = results.copy(), results.copy()
+    a.attrs["env"] = {**results.attrs["env"], "cases": "60 sampled cases"}
+    b.attrs["env"] = {**results.attrs["env"], "cases": "1000 sampled cases"}
+    assert render_diff(diff_results(a, b)).startswith("A and B ran different cases (A: 60 sampled cases; B: 1000")
+    assert render_diff(diff_results(results, results.iloc[:4])).startswith("4 rows in both")  # a part: no warning
+    others = results.assign(case_id=results["case_id"] + "-other")  # the same shapes under other ids
+    text = render_diff(diff_results(results, pd.concat([results.iloc[:2], others], ignore_index=True)))
+    assert text.startswith(f"A and B share only 2 of the smaller run's {len(results)} rows: they ran mostly")
+
+
+def test_the_eta_weighs_cases_by_their_work():
+    from parity.cli import Progress
+    fixed, per_unit = 1.0, 1e-6  # seconds per case, and per multiply-add
+    progress = Progress(True, "cases")
+    works = [1e6, 1e6, 1e6, 1e4, 1e4, 1e4] + [1e4] * 10  # three large cases, then small ones
+    planned, done, elapsed = sum(works), 0.0, 0.0
+    for count, work in enumerate(works[:6], start=1):
+        done, elapsed = done + work, elapsed + fixed + per_unit * work
+        progress(count, len(works), elapsed, work=(done, planned))
+    assert "~10 s left" in progress.status  # ten cases of 1.01 s; by count alone: ~15 s
+    alike = Progress(True, "cases")
+    alike(1, 4, 2.0, work=(5.0, 20.0))
+    alike(2, 4, 4.0, work=(10.0, 20.0))
+    assert "~4 s left" in alike.status  # cases of one size: the same as counting them
+
+
+def test_the_sweep_feeds_its_progress_the_work_of_each_case():
+    from parity.runner import Comparison
+    from parity.policy import Policy
+    from parity.sweep import case_work, run_sweep
+    cases = [("sampled", Case(lead=(16,), K=16, N=16)), ("sampled", Case(lead=(32,), K=32, N=16, steps=2))]
+    calls = []
+    run_sweep(cases, [Comparison(load_impl("bf16"), load_impl("fp64"), Policy.SQNR)], device="cpu", isolate=False,
+              progress=lambda done, total, elapsed, work: calls.append((done, total, work)))
+    planned = case_work(cases[0][1]) + case_work(cases[1][1])
+    assert calls == [(1, 2, (16 ** 3, planned)), (2, 2, (planned, planned))]
+    assert case_work(cases[1][1]) == 32 * 32 * 16 * 2
