@@ -49,10 +49,11 @@ class Relation:
 
     def applies(self, case) -> bool:
         """Scaling by 2^3 is exact only while results stay in their dtype's normal range: fp16
-        (max 65504, smallest normal 2^-14) leaves it with `nearmax` and `tiny` data, and with
-        `outlier_row` (one token 1e4 times the others, up to ~4e4: times 8 it overflows)."""
+        (max 65504, smallest normal 2^-14) leaves it with `nearmax`, `tiny` and `small_amax` data
+        (input near 2^-16: fp16 subnormals), and with `outlier_row` (one token 1e4 times the others,
+        up to ~4e4: times 8 it overflows)."""
         return not (self.exact_scaling and case.input_dtype == "fp16"
-                    and case.dist.value in ("nearmax", "tiny", "outlier_row"))
+                    and case.dist.value in ("nearmax", "tiny", "small_amax", "outlier_row"))
 
 
 def _map_steps(data: CaseData, fn: Callable[[StepData], StepData], *, bias=None) -> CaseData:
@@ -191,6 +192,12 @@ def _mismatch(tensor: str, step: int, got: torch.Tensor | None, want: torch.Tens
     return (f"{tensor} (step {step}): {int((diff != 0).sum())} of {got.numel()} elements differ "
             f"(max abs diff {diff.max().item():.4g} at index {index}: got {got[index].item():.6g}, "
             f"expected {want[index].item():.6g})")
+
+
+def check_relation_named(name: str, impl: Impl, data: CaseData) -> RelationResult:
+    """check_relation of the relation called `name` (BY_NAME): what a worker process is sent, since a
+    relation's transforms are closures that do not pickle."""
+    return check_relation(BY_NAME[name], impl, data)
 
 
 def check_relation(relation: Relation, impl: Impl, data: CaseData, *, base: Execution | None = None) -> RelationResult:

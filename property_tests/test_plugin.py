@@ -5,6 +5,8 @@ wraps it with fp8-parity's exit codes. Each runs pytest in a fresh process in an
 from __future__ import annotations
 
 import os
+import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ZOO = Path(__file__).parent / "mutants.py"
+REPO = Path(__file__).resolve().parents[1]
 USER_TEST = textwrap.dedent('''
     from hypothesis import given
 
@@ -50,3 +53,128 @@ def test_a_users_own_test_gets_the_fixtures_and_strategies(tmp_path):
 def test_fp8_parity_test_gives_fp8_paritys_exit_codes(tmp_path, impl, code):
     done = run(["-m", "parity", "test", "--impl", impl, "--", "-q", "-x", "-k", "parity_with_reference"], tmp_path)
     assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+# ---- a scratch repository that pip-installs this one -------------------------------------------------------
+
+NANOCHAT_STYLE_FP8 = textwrap.dedent('''
+    """An FP8 linear layer in nanochat's style: tensorwise dynamic scaling, three GEMMs through _scaled_mm."""
+
+    import torch
+    from torch import nn
+
+    EPS = 1e-12  # the floor under amax: an all-zero tensor gets a finite scale
+
+
+    @torch.no_grad()
+    def _to_fp8(x, fp8_dtype):
+        """x scaled so that its amax lands on the format's max, cast saturating; and the inverse scale."""
+        fp8_max = torch.finfo(fp8_dtype).max
+        amax = x.float().abs().max()
+        scale = (fp8_max / amax.double().clamp(min=EPS)).float()
+        return (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype), scale.reciprocal()
+
+
+    def _row_major(x):  # _scaled_mm's A
+        return x.contiguous()
+
+
+    def _col_major(x):  # _scaled_mm's B
+        return x.t().contiguous().t()
+
+
+    class _Float8Matmul(torch.autograd.Function):
+        """input_2d @ weight.T: e4m3 input and weight, e5m2 grad_output; fast accumulation only forward."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight):
+            input_fp8, input_inv = _to_fp8(input_2d, torch.float8_e4m3fn)
+            weight_fp8, weight_inv = _to_fp8(weight, torch.float8_e4m3fn)
+            ctx.save_for_backward(input_fp8, input_inv, weight_fp8, weight_inv)
+            ctx.weight_dtype = weight.dtype
+            return torch._scaled_mm(_row_major(input_fp8), _col_major(weight_fp8.t()), scale_a=input_inv,
+                                    scale_b=weight_inv, out_dtype=input_2d.dtype, use_fast_accum=True)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            input_fp8, input_inv, weight_fp8, weight_inv = ctx.saved_tensors
+            grad_fp8, grad_inv = _to_fp8(grad_output, torch.float8_e5m2)
+            grad_input = torch._scaled_mm(_row_major(grad_fp8), _col_major(weight_fp8), scale_a=grad_inv,
+                                          scale_b=weight_inv, out_dtype=grad_output.dtype, use_fast_accum=False)
+            grad_weight = torch._scaled_mm(_row_major(grad_fp8.t()), _col_major(input_fp8), scale_a=grad_inv,
+                                           scale_b=input_inv, out_dtype=grad_output.dtype, use_fast_accum=False)
+            return grad_input, grad_weight.to(ctx.weight_dtype)
+
+
+    class Float8Linear(nn.Linear):
+        @classmethod
+        def from_float(cls, mod):
+            with torch.device("meta"):
+                new = cls(mod.in_features, mod.out_features, bias=False)
+            new.weight, new.bias = mod.weight, mod.bias
+            return new
+
+        def forward(self, input):
+            output = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), self.weight)
+            output = output.reshape(*input.shape[:-1], output.shape[-1])
+            return output if self.bias is None else output + self.bias.to(output.dtype)
+''')
+AMAX = "amax = x.float().abs().max()"
+AMAX_WITHOUT_ABS = "amax = x.float().max()"  # the planted bug: wrong whenever the largest magnitude is negative
+# Parity names the bug; contracts checks nn.Linear's and _scaled_mm's (A row-major, B column-major). The two take
+# ~20 s on 2 cores. The whole suite takes ~90 s, and its equivariance and determinism tests fail for any
+# implementation loaded from a file: the suite pickles their lambdas to the worker process (parity/suite.py call).
+FAST_PROPERTIES = "parity_with_reference or contracts"
+NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "venv", ".hypothesis", ".ruff_cache", ".whl", "reports", "build",
+                                   "dist", "*.egg-info", "__pycache__")
+
+
+@pytest.fixture(scope="module")
+def scratch_venv(tmp_path_factory) -> Path:
+    """The python of a venv outside this repository with fp8-parity pip-installed into it, not editable.
+
+    --system-site-packages shows the base interpreter's packages; where this environment is itself a
+    venv, a .pth file also puts its site-packages (torch, torchao, pytest, ...) after the venv's own,
+    so nothing is downloaded. The install is from a copy of the repository, because pip builds in
+    the source tree (build/, *.egg-info) and the checkout must stay untouched."""
+    root = tmp_path_factory.mktemp("scratch-venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", root / "venv"],
+                   check=True)
+    python = root / "venv" / "bin" / "python"
+    venv_site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                             text=True).strip())
+    (venv_site / "_this_environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    source = shutil.copytree(REPO, root / "fp8-parity", ignore=NOT_BUILT)
+    installed = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", source],
+                               capture_output=True, text=True, env=scratch_env())
+    assert installed.returncode == 0, installed.stdout[-2000:] + installed.stderr[-2000:]
+    imported = subprocess.check_output([python, "-c", "import parity; print(parity.__file__)"], text=True,
+                                       env=scratch_env(), cwd=root)
+    assert Path(imported.strip()).is_relative_to(venv_site), f"parity imports from {imported}, not {venv_site}"
+    return python
+
+
+def scratch_env() -> dict[str, str]:
+    """This environment without PYTHONPATH (which could put this checkout first), and CI's hypothesis profile."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "CI": "true"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("bug_planted", "exit_code"), [(True, 1), (False, 0)], ids=["planted-bug", "no-bug"])
+def test_a_scratch_repository_that_pip_installs_this_one_fails_a_planted_bug(scratch_venv, tmp_path, bug_planted,
+                                                                              exit_code):
+    source = NANOCHAT_STYLE_FP8.replace(AMAX, AMAX_WITHOUT_ABS) if bug_planted else NANOCHAT_STYLE_FP8
+    assert source.count(AMAX_WITHOUT_ABS) == bug_planted  # exactly one line differs
+    (tmp_path / "scratch_module.py").write_text(source)
+    done = subprocess.run([scratch_venv, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--fp8-impl",
+                           "scratch_module.py:Float8Linear", "-k", FAST_PROPERTIES], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=scratch_env())
+    output = done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == exit_code, output
+    if bug_planted:
+        assert "FAILED ::test_parity_with_reference - " in done.stdout and "1 failed, 1 passed" in done.stdout, output
+        assert "is not at parity with torchao:tensorwise" in done.stdout, output
+        rerun = f"python -m pytest {scratch_venv.parents[1]}/lib/"  # the installed suite ran, not this checkout's
+        assert rerun in done.stdout and "/site-packages/property_tests/test_properties.py::" in done.stdout, output
+    else:
+        assert "2 passed" in done.stdout, output
