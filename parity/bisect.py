@@ -50,8 +50,8 @@ from parity.runner import emulated_steps_of, execute, run_case_isolated
 from parity.worker import Died, Worker, WorkerError, default_time_limit, isolation
 
 NUMERIC_METRICS = ("bitwise", "accumulation_bound", "sqnr_db", "paired_sqnr_db", "nonfinite", "operand")
-STAGE_ORDER = ("calls", "precision", "fp8_dtype", "scale", "bytes", "unit_scales", "fast_accum", "result",
-               "contract", "gpu_rule")
+STAGE_ORDER = ("in_place", "calls", "precision", "fp8_dtype", "scale", "bytes", "unit_scales", "fast_accum",
+               "out_dtype", "result", "contract", "gpu_rule")
 
 
 # ---- triggers --------------------------------------------------------------------------------------------
@@ -195,11 +195,17 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     diagnosis, which runs it many times, within four times that): a death or a hang there is
     evidence, never the end of the localization."""
     with isolation(plan.comparisons, device, isolate) as runner:
-        return _localize(plan, device, case, max_examples, seed, runner, time_limit)
+        # a second worker, started now while the check runs: the minimal case alone in a fresh process
+        spare = None if runner is None else Worker(runner.device_type).start()
+        try:
+            return _localize(plan, device, case, max_examples, seed, runner, time_limit, spare)
+        finally:
+            if spare is not None:
+                spare.close()
 
 
 def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int, seed: int, runner: Worker | None,
-              time_limit: float | None) -> Localization:
+              time_limit: float | None, spare: Worker | None = None) -> Localization:
     found = run_check(plan, device=device, max_examples=max_examples, seed=seed,
                       cases=None if case is None else [case], runner=runner, time_limit=time_limit)
     result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error)
@@ -222,6 +228,21 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
             running.append((flipped, outcome))
     _more_distributions(result, plan, case, device, outcome_of)
     numeric_case, numeric = case, base
+    diagnosis_runner = runner
+    # State left by earlier calls in the process (a cache keyed by shape, a global): the minimal case
+    # alone in a fresh worker. Passing there makes "earlier calls" the trigger; a two-call case in a
+    # fresh worker is then where the stale operand can be seen beside the call it came from.
+    def alone(c: Case, fresh: Worker | None = None) -> Outcome:
+        with fresh or Worker(runner.device_type) as worker:
+            return outcome_of(c, device, runner=worker)
+    if runner is not None and case.steps == 1 and not base.crashed and not alone(case, spare).fails:
+        result.trigger.append("only from the second call (state that earlier calls in the process left)")
+        result.trigger_operands.append("")
+        twice = case.replace(steps=2)
+        twice_outcome = alone(twice)
+        if twice_outcome.fails:
+            numeric_case, numeric = twice, twice_outcome
+            diagnosis_runner = Worker(runner.device_type)
     if base.crashed:
         with_numbers = [(c, o) for c, o in running if o.numeric]
         if with_numbers:
@@ -234,7 +255,7 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
     if len({numeric_case.M, numeric_case.K, numeric_case.N}) < 3 and "only when K == N" not in result.trigger:
         unit = plan.alignment  # M spans two blocks, so a bug along M shows on the twin too
         twin = numeric_case.replace(lead=(2 * unit,), K=3 * unit, N=unit)
-        twin_outcome = outcome_of(twin, device)
+        twin_outcome = outcome_of(twin, device) if diagnosis_runner is runner else alone(twin)
         if twin_outcome.fails and twin_outcome.crashed == numeric.crashed:
             numeric_case, numeric = twin, twin_outcome
     result.diagnosed_case = numeric_case
@@ -248,7 +269,12 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
         else:
             limit = 4 * (time_limit or default_time_limit(numeric_case.M, numeric_case.K, numeric_case.N,
                                                           torch.device(device).type))
-            diagnosed = runner.call(_diagnosed, result, plan, numeric_case, numeric, device, time_limit=limit)
+            try:
+                diagnosed = diagnosis_runner.call(_diagnosed, result, plan, numeric_case, numeric, device,
+                                                  time_limit=limit)
+            finally:
+                if diagnosis_runner is not runner:
+                    diagnosis_runner.close()
             if isinstance(diagnosed, Died):
                 raise RuntimeError(diagnosed.message)
             result = diagnosed
@@ -308,8 +334,16 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
     # the results' dtypes, shapes and strides (nn.Linear's contract): a finding of their GEMM
     for violation in outcome.violations:
         if violation.metric == "contract" and violation.tensor in GEMMS:
-            findings.append(Finding(violation.step, violation.tensor, "result", "contract", violation.message,
-                                    "contract"))
+            gemm, operand = violation.tensor, "result"
+            # an operand written in place (reported with the output): blamed on the first GEMM that then
+            # computes a wrong result from it (grad_output: a backward GEMM)
+            moved = next((op for op in ("grad_output", "input", "weight")
+                          if f"{op} was modified in place" in violation.message), None)
+            if moved is not None:
+                later = [g for g in diverging if g in GEMMS and (moved != "grad_output" or g != "output")]
+                gemm, operand = (later[0] if later else "grad_input" if moved == "grad_output" else "output"), moved
+            findings.append(Finding(violation.step, gemm, operand, "contract" if moved is None else "in_place",
+                                    violation.message, "contract"))
     if crashes and execution.forward_outputs and not any(f.stage == "contract" for f in findings):
         expected = expected_contract(case, compute_dtype=candidate.compute_dtype)["output"]
         for problem in contract_violations(execution.forward_outputs[0], expected, "output"):
@@ -347,12 +381,27 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
         hp_db, fp8_db = high_precision_closeness(got, host.steps[step], case, recipe)
         result.evidence.append(f"no _scaled_mm call was recorded: its results are {hp_db:.1f} dB from the exact "
                                f"high-precision product and {fp8_db:.1f} dB from the exact {recipe.name} FP8 result")
-        finite = all(bool(torch.isfinite(value).all()) for value in got.values())
-        if finite and hp_db >= MATCH_DB and hp_db >= fp8_db + 10:
-            findings.append(Finding(step, diverging[0], "result", "calls",
-                                    f"no _scaled_mm call was recorded and the results are those of a high-precision "
-                                    f"layer ({hp_db:.1f} dB from it): this does not run the {recipe.name} recipe in "
-                                    f"FP8", "precision"))
+    # an FP8 GEMM of the recipe that made no call and whose result is the high-precision product
+    for gemm_name, value in got.items() if fp8 else ():
+        if recipe.gemm(gemm_name).high_precision or not bool(torch.isfinite(value).all()):
+            continue
+        hp_db, fp8_db = high_precision_closeness({gemm_name: value}, host.steps[step], case, recipe)
+        if hp_db >= MATCH_DB and hp_db >= fp8_db + 10:
+            findings.append(Finding(step, gemm_name, "result", "calls",
+                                    f"no _scaled_mm call for {gemm_name} and its result is the high-precision "
+                                    f"product ({hp_db:.1f} dB from it, {fp8_db:.1f} dB from the exact {recipe.name} "
+                                    f"FP8 result): this GEMM does not run in FP8", "precision"))
+    # a call that writes another dtype than the recipe's, on a GEMM whose result is wrong
+    for call in execution.calls:
+        gemm_name = next((g for g in call.gemm.split("|") if g in diverging), None)
+        if gemm_name is None or call.out_dtype is None or recipe.gemm(gemm_name).high_precision:
+            continue
+        want = oracles.rounding_chain(case, gemm_name, recipe)[0]
+        if call.out_dtype != str(want).replace("torch.", ""):
+            findings.append(Finding(call.step, gemm_name, "result", "out_dtype",
+                                    f"the {gemm_name} call writes {call.out_dtype} where the {recipe.name} recipe's "
+                                    f"GEMM writes {str(want).replace('torch.', '')}: another rounding of the sums "
+                                    f"(or their overflow)", "accumulation"))
 
     # the GEMMs to blame: diverging tensors and GEMMs with an explained finding, in GEMM order
     gemms = sorted(set(diverging) | {f.gemm for f in findings if f.category}, key=_gemm_order) or \
@@ -405,6 +454,15 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
                            if t.startswith("only with non-contiguous")), None)
     diverging = {v.tensor for v in numeric}
 
+    def by_layout(category: str) -> str:
+        """An operand rearranged only when some operand is stored non-contiguously: the result depends on
+        the strides of the same logical values (layout), not on a transpose in the code's math."""
+        if category == "transpose" and layout_operand:
+            result.evidence.append(f"the rearranged operand shows only with a non-contiguous {layout_operand}: "
+                                   f"the code reads memory by the wrong strides (layout)")
+            return "layout"
+        return category
+
     def stage_rank(f: Finding) -> int:  # a GEMM whose result is right: what the caller sees (the contract) first
         if f.stage == "contract" and f.gemm not in diverging:
             return -1
@@ -426,10 +484,10 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
             return "stale_state", _first_operand(result.gemm)
         stale_finding = next((f for f in explained if f.category == "stale_state"), None)
         first = stale_finding or first
-        return first.category, first.operand
+        return by_layout(first.category), first.operand
     if matches:
         first = sorted(matches, key=lambda m: _gemm_order(m.gemm))[0]
-        return first.category, first.operand
+        return by_layout(first.category), first.operand
     if ordered:  # differences no single mistake explains: the stage says where, the triggers what
         first = ordered[0]
         if stale:

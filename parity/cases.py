@@ -54,6 +54,9 @@ class Dist(str, enum.Enum):
     ZERO_ROWS = "zero_rows"  # normal, with a quarter of the rows and a quarter of the columns all zero
     OUTLIER_ROW = "outlier_row"  # normal input with one row (token) 10^4 times larger
     TINY_AMAX = "tiny_amax"  # normal input times 1e-30: amax far below the scale's EPS floor of 1e-12
+    # normal input times 2^-16: an amax near 5e-5, above the scale's floor of 1e-12 and below the larger
+    # floors some code uses (1e-4 in DeepGEMM's casts): a floor that is too high shows only here
+    SMALL_AMAX = "small_amax"
 
 
 TENSORS = ("output", "grad_input", "grad_weight", "grad_bias")
@@ -243,6 +246,7 @@ def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT) -> tuple[Case, ...]
         base.replace(dist=Dist.ZERO_ROWS),  # all-zero rows and columns: axis and tile scales of zero
         base.replace(dist=Dist.OUTLIER_ROW),
         base.replace(dist=Dist.TINY_AMAX),
+        base.replace(dist=Dist.SMALL_AMAX),
         base.replace(lead=(2, 16 * unit)),  # 3-D input
         # 3-D and non-contiguous together: a .view() that flattens tokens raises where .reshape() copies
         base.replace(lead=(2, 16 * unit), input_layout=Layout.TRANSPOSED, grad_output_layout=Layout.TRANSPOSED),

@@ -102,11 +102,15 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
     hypotheses = [
         Hypothesis("fp8_dtype", f"cast to {other} instead of {cast.fp8}", {"cast": Cast(cast.scaling, other)}),
         Hypothesis("scale", "amax = max(x) instead of max(|x|)", {"absolute_amax": False}),
+        *(Hypothesis("precision", f"the operand rounded to {name} before its cast", {"source_dtype": dtype})
+          for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16))),
         Hypothesis("scale", "its scale rounded to bfloat16", {"scale_dtype": torch.bfloat16}),
         Hypothesis("scale", "the GEMM handed its scale instead of the inverse", {"inverse_scale": False}),
         Hypothesis("scale", "scales not rounded down to a power of two" if recipe.pow2_scales else
                    "scales rounded down to a power of two", {"pow2": not recipe.pow2_scales}),
         Hypothesis("scale", "no floor under amax: an all-zero group gets an infinite scale", {"eps": 0.0}),
+        *(Hypothesis("scale", f"a floor of {eps:g} under amax instead of {oracles.EPS:g}", {"eps": eps})
+          for eps in (1e-4, 1e-6, 1e-8, 1e-10)),
         *(Hypothesis("scale", f"amax over {region} instead of {_region_name(own_tile, rows, inner)}",
                      {"tile": tile}) for region, tile in _regions(rows, inner) if tile != own_tile),
         Hypothesis("transpose", "the operand transposed (read the other way round)", source="transposed"),
@@ -129,6 +133,20 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
     ]
     hypotheses.append(Hypothesis("saturation", f"clamped to +-{FP8_MAX_OF[cast.fp8]:g} (the fp8 max) before it is "
                                                f"scaled", {"clip_abs": FP8_MAX_OF[cast.fp8]}))
+    hypotheses += [Hypothesis("saturation", f"its raw values clamped to +-{bound:g} ({name}) before they are "
+                                            f"scaled, the scale from the unclamped amax", {"value_clamp": bound})
+                   for name, bound in (("e4m3's max", 448.0), ("e5m2's max", 57344.0), ("e4m3fnuz's max", 240.0))]
+    # the recipe's fp8 bytes, rearranged after the cast (the scales stay where the recipe puts them):
+    # an fp8 copy kept in the other orientation and recovered with view/reshape instead of .t()
+    if rows == inner:
+        hypotheses.append(Hypothesis("transpose", "its fp8 bytes transposed after the cast (the scales are not)",
+                                     {"bytes": "transposed"}))
+    else:
+        hypotheses += [
+            Hypothesis("transpose", "its fp8 bytes, kept transposed, recovered with view/reshape instead of .t() "
+                                    "(the scales are the recipe's)", {"bytes": "from_transposed_copy"}),
+            Hypothesis("transpose", "its fp8 bytes reinterpreted with view/reshape into the transposed shape "
+                                    "(the scales are the recipe's)", {"bytes": "reshaped"})]
     if cast.fp8 == "e4m3":
         hypotheses += [
             Hypothesis("saturation", "scaled to e5m2's max (57344) and saturated at e4m3's 448",
@@ -150,8 +168,16 @@ def _region_name(tile: tuple[int, int], rows: int, inner: int) -> str:
 
 def _quantize(source: torch.Tensor, cast: Cast, recipe: Recipe, options: dict) -> Quantized | None:
     options = dict(options)
-    grid = options.pop("grid", None)
+    grid, rearranged = options.pop("grid", None), options.pop("bytes", None)
     clip, clip_abs = options.pop("clip_rms", None), options.pop("clip_abs", None)
+    if options.get("value_clamp") is not None and float(source.abs().max()) <= options["value_clamp"]:
+        return None  # nothing clamped: the same as the correct cast
+    source_dtype = options.pop("source_dtype", None)
+    if source_dtype is not None:
+        rounded = source.to(source_dtype).to(source.dtype)
+        if torch.equal(rounded, source):
+            return None  # already in that precision: the same as the correct cast
+        source = rounded
     if clip is not None or clip_abs is not None:
         bound = clip_abs if clip is None else clip * float(source.double().pow(2).mean().sqrt())
         if not bound or float(source.abs().max()) <= bound:
@@ -162,7 +188,24 @@ def _quantize(source: torch.Tensor, cast: Cast, recipe: Recipe, options: dict) -
                              **options)
     except RuntimeError:  # a tile that does not divide this operand
         return None
+    if rearranged is not None:
+        q = _rearranged_bytes(q, rearranged)
     return q if grid is None else _misread_grid(q, grid)
+
+
+def _rearranged_bytes(q: Quantized, how: str) -> Quantized:
+    """The same scales with the fp8 values [rows, inner] rearranged: transposed (square), read
+    from a transposed copy [inner, rows] as if it were [rows, inner], or reshaped into
+    [inner, rows] and transposed back."""
+    values = q.values
+    rows, inner = values.shape
+    if how == "transposed":
+        values = values.t()
+    elif how == "from_transposed_copy":
+        values = values.t().contiguous().reshape(rows, inner)
+    else:
+        values = values.reshape(inner, rows).t()
+    return Quantized(values.contiguous(), q.inv_scale, q.tile, q.fp8_dtype)
 
 
 def _misread_grid(q: Quantized, how: str) -> Quantized | None:
@@ -467,8 +510,10 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
         if through not in chain and through != got.dtype:
             other_chain = [through, *chain]
             if _same(rounded(with_bias(exact), other_chain).reshape(got64.shape), got64):
-                return "accumulation", f"the result rounded through {str(through).replace('torch.', '')} on its way " \
-                                       f"to {str(got.dtype).replace('torch.', '')}: a second rounding"
+                # a GEMM the recipe keeps in high precision: its precision is what the recipe says of it
+                category = "precision" if tensor in GEMMS and recipe.gemm(tensor).high_precision else "accumulation"
+                return category, f"the result rounded through {str(through).replace('torch.', '')} on its way " \
+                                 f"to {str(got.dtype).replace('torch.', '')}: a second rounding"
     if bool((~torch.isfinite(got64) & torch.isfinite(rounded(with_bias(exact)))).any()):
         return "saturation", "the result overflows its dtype where the exact result does not"
     return None
@@ -548,9 +593,15 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                         fp8_copy = Quantized(q.dequantized(), hp.new_ones((1, 1), dtype=torch.float64),
                                              (rows, inner), None)
                         value = oracles.gemm(fp8_copy, qb) if role == "a" else oracles.gemm(qa, fp8_copy)
-                        scored.append((closeness(value), operand, "fp8_dtype",
+                        scored.append((closeness(value), operand, "precision",
                                        f"{operand} taken from its {cast.fp8} copy where the recipe computes this "
                                        f"GEMM in high precision"))
+            # computed in a wider precision than the recipe's: nearer the exact product than its roundings allow
+            wider = _closeness(target.cpu(), correct_value.reshape(target.shape).to(target.dtype).cpu()) \
+                if bias is None or gemm_name != "output" else -math.inf
+            chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(case, gemm_name, recipe))
+            scored.append((wider, "result", "precision", f"computed in {str(target.dtype).replace('torch.', '')} "
+                           f"without the recipe's rounding to {chain}"))
         else:
             for role, operand, cast in (("a", spec.operands[0], spec.a), ("b", spec.operands[1], spec.b)):
                 rows, inner = (a_hp if role == "a" else b_hp).shape
@@ -563,6 +614,17 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                         continue
                     value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
                     scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))
+            # one cast routine shared by both operands: the same mistake in both
+            of_b = {h.description: h for h in operand_hypotheses(spec.b, recipe, *b_hp.shape)}
+            for hypothesis in operand_hypotheses(spec.a, recipe, *a_hp.shape):
+                twin = of_b.get(hypothesis.description)
+                if twin is None or hypothesis.source != "same" or twin.source != "same" or not hypothesis.options:
+                    continue
+                both = _quantize(a_hp, spec.a, recipe, hypothesis.options), _quantize(b_hp, spec.b, recipe,
+                                                                                       twin.options)
+                if None not in both:
+                    scored.append((closeness(oracles.gemm(*both)), spec.operands[0], hypothesis.category,
+                                   f"{hypothesis.description}, in both operands"))
         explained = explain_result(target, correct_value, case, gemm_name, recipe,
                                    bias=bias if gemm_name == "output" else None)
         if explained is not None:

@@ -116,20 +116,29 @@ class Impl:
 
 
 class _FunctionLinear(nn.Module):
-    """A linear layer around a function f(input_2d, weight), with the bias added in the output dtype."""
+    """A linear layer around a function f(input_2d, weight). A function that takes a bias (a
+    parameter named `bias`: F.linear's f(input, weight, bias=None)) adds it itself, and is judged
+    on how; otherwise the bias is added here, in the output dtype."""
 
     def __init__(self, linear: nn.Linear, fn: Callable):
         super().__init__()
         self.linear, self.fn = linear, fn
+        try:
+            self.takes_bias = "bias" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            self.takes_bias = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         lead = input.shape[:-1]
-        output = self.fn(input.reshape(-1, input.shape[-1]), self.linear.weight)
+        input_2d = input.reshape(-1, input.shape[-1])
+        bias = self.linear.bias
+        output = self.fn(input_2d, self.linear.weight, bias=bias) if self.takes_bias and bias is not None \
+            else self.fn(input_2d, self.linear.weight)
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{_defined_at(self.fn)} returned {type(output).__name__}, not a tensor")
         output = output.reshape(*lead, output.shape[-1])
-        if self.linear.bias is not None:
-            output = output + self.linear.bias.to(output.dtype)
+        if bias is not None and not self.takes_bias:
+            output = output + bias.to(output.dtype)
         return output
 
 
@@ -357,12 +366,30 @@ def detect_form(target: Any) -> Form:
                         f"{FORM_HELP}") from None
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
+    said = _form_said_by(positional[0]) if positional else None  # convert(model, skip=None) is a converter
+    if said is not None:
+        return said
     if len(required) == 2 or (len(required) < 2 <= len(positional)):
         return Form.FUNCTION
     if len(required) == 1:
         return Form.CONVERTER
     raise ImplError(f"{getattr(target, '__name__', target)!r} takes {len(required)} required positional "
                     f"arguments; {FORM_HELP} (or pass --form)")
+
+
+MODULE_PARAMETER_NAMES = ("model", "module", "mod", "net", "network", "root", "layer", "linear")
+
+
+def _form_said_by(first: inspect.Parameter) -> Form | None:
+    """The form the first parameter's annotation or name says (a module: converter; a tensor:
+    function), or None when it says neither."""
+    annotation = first.annotation
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if inspect.isclass(annotation) and issubclass(annotation, nn.Module) or text.endswith(("Module", "Sequential")):
+        return Form.CONVERTER
+    if annotation is torch.Tensor or text.endswith("Tensor"):
+        return Form.FUNCTION
+    return Form.CONVERTER if first.name in MODULE_PARAMETER_NAMES else None
 
 
 def _prefer_impl_path() -> None:

@@ -80,14 +80,16 @@ class Quantized:
 def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, absolute_amax: bool = True,
              scale_dtype: torch.dtype = torch.float32, target_max: float | None = None,
              clamp_max: float | None = None, inverse_scale: bool = True,
-             tile: tuple[int, int] | None = None, eps: float = EPS) -> Quantized:
+             tile: tuple[int, int] | None = None, eps: float = EPS,
+             value_clamp: float | None = None) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
     describe *wrong* quantizations, for parity.bisect's "nearest wrong oracle": amax without
     abs, a scale rounded to bf16, a scale aimed at another format's max, a clamp at another
     bound, the scale handed to the GEMM instead of its inverse, scales over other tiles, no
-    floor under amax (eps=0).
+    floor under amax (eps=0), the raw values clamped to `value_clamp` before they are scaled
+    (the scale still from the unclamped amax).
     """
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
@@ -104,7 +106,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = scale.to(scale_dtype).to(torch.float32)
-    scaled = (tiles.to(torch.float64) * scale.to(torch.float64)[:, None, :, None]).to(torch.float32)  # one rounding
+    raw = tiles.to(torch.float64) if value_clamp is None else tiles.to(torch.float64).clamp(-value_clamp, value_clamp)
+    scaled = (raw * scale.to(torch.float64)[:, None, :, None]).to(torch.float32)  # one rounding
     bound = min(fmt.max, clamp_max or fmt.max)
     saturated = scaled.to(torch.float64).clamp(-bound, bound)
     handed = scale.reciprocal() if inverse_scale else scale

@@ -258,6 +258,12 @@ class Worker:
             self._conn.close()
         self._process = self._conn = None
 
+    def start(self) -> "Worker":
+        """Start the process now (its imports run while the caller works); calls wait for it."""
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        return self
+
     def remember(self, key: str, value: Any) -> "str | Died":
         """Keep `value` in the worker under `key` (sent once per worker process; see recall)."""
         if self._process is None or not self._process.is_alive():

@@ -11,6 +11,8 @@ manifest's `category`; every manifest trigger must be among bisect's triggers (t
 "data:X" -> "only with X data" or "or with X data" (data:zero_rows also accepts an all-zero tensor,
 data:outlier any ratio), "gpu only" -> "only on the GPU"). A correct entry must pass check and leave
 bisect nothing to localize. Entries whose devices do not include this device are not scored here.
+Each row also times bisect (its check and the localization, in this process with imports warm);
+`python -m property_tests.timings --bisect-set NAME` times the command itself in fresh processes.
 `--set heldout2` scores the second set (the first, property_tests/heldout, was seen after its first
 run: its figures after that are training figures).
 """
@@ -54,6 +56,7 @@ def evaluate(entry: dict, device: str) -> dict:
     if entry["category"] == "none":
         row.update(correct=checked.verdict == "pass", said="-", seconds=round(time.perf_counter() - start, 1))
         return row
+    bisect_start = time.perf_counter()  # bisect as a user runs it: its own check, then the localization
     try:
         result = localize(plan, device=device, max_examples=60)
     except Exception as err:  # noqa: BLE001 - a crash of the harness scores as a miss, and says so
@@ -66,7 +69,8 @@ def evaluate(entry: dict, device: str) -> dict:
         gemm_ok=result.first == entry["gemm"], class_ok=result.category == entry["category"],
         operand_ok=result.operand == entry["operand"],
         triggers_ok=all(trigger_found(t, result.trigger) for t in entry["trigger"]),
-        method=result.method, seconds=round(time.perf_counter() - start, 1))
+        method=result.method, seconds=round(time.perf_counter() - start, 1),
+        bisect_seconds=round(time.perf_counter() - bisect_start, 1))
     row["correct"] = row["gemm_ok"] and row["class_ok"]
     return row
 
@@ -97,6 +101,12 @@ def main() -> None:
           f"{int(bugs['class_ok'].sum())}, operand {int(bugs['operand_ok'].sum())}); every trigger named "
           f"{int(bugs['triggers_ok'].sum())}/{len(bugs)}; correct implementations passing "
           f"{int(clean['correct'].sum())}/{len(clean)}")
+    timed = bugs["bisect_seconds"].dropna() if "bisect_seconds" in bugs else []
+    if len(timed):
+        bar = 30.0 if args.device == "cuda" else 60.0
+        print(f"bisect wall time per failing entry (in this process, imports warm): median {timed.median():.1f} s, "
+              f"max {timed.max():.1f} s ({bugs.loc[timed.idxmax(), 'name']}); bar {bar:.0f} s: "
+              f"{int((timed <= bar).sum())}/{len(timed)} within")
     if args.json:
         args.json.write_text(table.to_json(orient="records", indent=1))
 

@@ -99,3 +99,44 @@ def test_unrecognized_signature():
         return a
     with pytest.raises(ImplError, match="takes 3 required positional arguments"):
         detect_form(three)
+
+
+def _convert_by_name(model, skip=None):
+    return model
+
+
+def _convert_by_annotation(m: torch.nn.Module, filter_fn=None) -> torch.nn.Module:
+    return m
+
+
+def _linear_with_optional_weight(x, w=None):
+    return x
+
+
+def _linear_by_annotation(a: torch.Tensor, scale=None):
+    return a
+
+
+@pytest.mark.parametrize(("target", "form"), [
+    (_convert_by_name, Form.CONVERTER),  # convert(model, skip=None): one module and an option
+    (_convert_by_annotation, Form.CONVERTER),
+    (_linear_with_optional_weight, Form.FUNCTION),
+    (_linear_by_annotation, Form.FUNCTION),
+])
+def test_the_first_parameter_says_the_form_when_the_count_cannot(target, form):
+    assert detect_form(target) is form
+
+
+def _linear_taking_a_bias(input_2d, weight, bias=None):
+    output = input_2d @ weight.to(input_2d.dtype).t()
+    return output if bias is None else output + bias  # no cast: an fp32 bias promotes a bf16 output
+
+
+def test_a_function_that_takes_a_bias_adds_it_itself_and_is_judged_on_how():
+    linear = torch.nn.Linear(16, 8).to(torch.float32)
+    module, _, _ = load_impl(f"{__file__}:_linear_taking_a_bias").build(linear)
+    input = torch.randn(4, 16, dtype=torch.bfloat16)
+    output = module(input)
+    assert output.dtype == torch.float32  # the function's own promotion shows; the harness added nothing
+    once = (input @ linear.weight.detach().to(torch.bfloat16).t()).float() + linear.bias.detach()
+    torch.testing.assert_close(output.detach(), once)  # the bias added once, not twice

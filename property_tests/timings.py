@@ -10,6 +10,8 @@ start to exit, the median of --repeat runs. The bars are for an idle 2-core CPU 
     fp8-parity bisect --impl <a zoo mutant> --device D   60 s (30 s on an H200)
     python -m pytest -q             (with --suite)       300 s
 
+With --bisect-set NAME (a held-out set under property_tests/), `fp8-parity bisect` of every
+buggy entry of that set, each in a fresh process: the median and the slowest against the bar.
 A command that fails (an exit code other than the one expected) is reported as such, not timed.
 """
 
@@ -42,7 +44,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--suite", action="store_true", help="also time the whole test suite")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--bisect-set", default=None, help="time bisect on every buggy entry of this held-out set")
+    parser.add_argument("--only", nargs="*", default=None, help="with --bisect-set: only these entries")
     args = parser.parse_args()
+    if args.bisect_set:
+        time_bisects(args.bisect_set, args.device, args.only)
+        return
     print(f"| command | seconds (median of {args.repeat}) | bar | within |\n| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for name, argv, expected, bar in commands(args.device, f"{tmp}/sweep", args.suite):
@@ -59,6 +66,30 @@ def main() -> None:
                 median = statistics.median(seconds)
                 print(f"| {name}: `{' '.join(argv[2:])}` | {median:.1f} | {bar:.0f} | "
                       f"{'yes' if median <= bar else 'NO'} |", flush=True)
+
+
+def time_bisects(name: str, device: str, only: list[str] | None = None) -> None:
+    """`fp8-parity bisect` on each buggy entry of a held-out set, as a user runs it (a fresh process)."""
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parent
+    manifest = json.loads((root / name / "manifest.json").read_text())
+    bar = 30.0 if device == "cuda" else 60.0
+    seconds = {}
+    print("| entry | seconds | exit |\n| --- | --- | --- |")
+    for entry in manifest:
+        if entry["category"] == "none" or device not in entry["devices"] or (only and entry["name"] not in only):
+            continue
+        argv = [sys.executable, "-m", "parity", "bisect", "--impl", str(root.parent / entry["impl"]), "--recipe",
+                entry["recipe"], "--device", device]
+        start = time.perf_counter()
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        seconds[entry["name"]] = time.perf_counter() - start
+        print(f"| {entry['name']} | {seconds[entry['name']]:.1f} | {done.returncode} |", flush=True)
+    slowest = max(seconds, key=seconds.get)
+    print(f"\nbisect on {name} ({device}, {len(seconds)} entries, fresh processes): median "
+          f"{statistics.median(seconds.values()):.1f} s, max {seconds[slowest]:.1f} s ({slowest}); bar {bar:.0f} s: "
+          f"{sum(v <= bar for v in seconds.values())}/{len(seconds)} within")
 
 
 if __name__ == "__main__":
