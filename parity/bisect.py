@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -146,6 +147,7 @@ class Localization:
     diagnosis: list[dict] = field(default_factory=list)  # the stage findings, structured
     crash: dict | None = None  # {message, trigger}: a crash found beside the numbers diagnosed
     diagnosed_case: Case | None = None
+    seconds: dict = field(default_factory=dict)  # wall time of each phase (check, triggers, diagnosis, evidence)
 
     def to_json(self) -> dict:
         return dict(verdict=self.verdict, impl=self.plan.candidate.name, reference=self.plan.reference.name,
@@ -155,6 +157,7 @@ class Localization:
                     evidence=self.evidence, error=self.error, method=self.method, diagnosis=self.diagnosis,
                     crash=self.crash, recipe=self.plan.candidate.recipe.name,
                     diagnosed_case=None if self.diagnosed_case is None else self.diagnosed_case.id,
+                    seconds={phase: round(value, 2) for phase, value in self.seconds.items()},
                     env=environment(self.device))
 
 
@@ -206,9 +209,17 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
 
 def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int, seed: int, runner: Worker | None,
               time_limit: float | None, spare: Worker | None = None) -> Localization:
+    clock = time.perf_counter()
     found = run_check(plan, device=device, max_examples=max_examples, seed=seed,
                       cases=None if case is None else [case], runner=runner, time_limit=time_limit)
     result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error)
+
+    def lap(phase: str) -> None:  # where a bisect spends its time, in the JSON
+        nonlocal clock
+        now = time.perf_counter()
+        result.seconds[phase] = result.seconds.get(phase, 0.0) + now - clock
+        clock = now
+    lap("check")
     if found.verdict != "fail":
         return result
     case = found.minimal_case
@@ -258,6 +269,7 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
         twin_outcome = outcome_of(twin, device) if diagnosis_runner is runner else alone(twin)
         if twin_outcome.fails and twin_outcome.crashed == numeric.crashed:
             numeric_case, numeric = twin, twin_outcome
+    lap("triggers")
     result.diagnosed_case = numeric_case
     if numeric_case != case:
         result.evidence.append(f"diagnosed on {numeric_case.id}")
@@ -284,8 +296,10 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
                                             key=_gemm_order)
         result.first = result.gemm[0] if result.gemm else None
         result.category, result.operand = result.category or "unknown", result.operand or "unknown"
+    lap("diagnosis")
     if device == "cuda" and not outcome_of(case, "cpu").fails:
         result.trigger.append("only on the GPU")
+    lap("on the CPU")
     return result
 
 

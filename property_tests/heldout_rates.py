@@ -70,7 +70,8 @@ def evaluate(entry: dict, device: str) -> dict:
         operand_ok=result.operand == entry["operand"],
         triggers_ok=all(trigger_found(t, result.trigger) for t in entry["trigger"]),
         method=result.method, seconds=round(time.perf_counter() - start, 1),
-        bisect_seconds=round(time.perf_counter() - bisect_start, 1))
+        bisect_seconds=round(time.perf_counter() - bisect_start, 1),
+        phases=" ".join(f"{phase}:{value:.1f}" for phase, value in result.seconds.items()))
     row["correct"] = row["gemm_ok"] and row["class_ok"]
     return row
 
