@@ -17,11 +17,12 @@ import pytest
 ZOO = Path(__file__).parent / "mutants.py"
 REPO = Path(__file__).resolve().parents[1]
 USER_TEST = textwrap.dedent('''
-    from hypothesis import given
+    from hypothesis import Phase, given, settings
 
     from parity.strategies import cases
 
 
+    @settings(phases=(Phase.explicit, Phase.generate))  # no shrinking: this checks the fixtures, not hypothesis
     @given(case=cases(max_dim=64))
     def test_my_layer_matches_its_reference(fp8_suite, case):
         rows, violations = fp8_suite.run(case)
