@@ -174,6 +174,27 @@ class Case:
         return record
 
 
+@dataclass(frozen=True)
+class SavedCase(Case):
+    """A case whose tensors come from a case file (`fp8-parity train` writes one for the first GEMM
+    where two trainings diverge; parity.data.read_case_file documents it) instead of being drawn
+    from a distribution and a seed. Its id is the case's id plus `|file:PATH`, so a rerun command
+    names the file; the dims, dtypes and layouts are the saved tensors' (parity.data.saved_case).
+    A case derived from it (bisect flips one condition at a time) keeps the file: its tensors are
+    the saved ones cast to its dtypes, cropped or zero-padded to its dims; dist and seed mean nothing."""
+
+    path: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.path:
+            raise CaseError("SavedCase: path is empty; build one with parity.data.saved_case(PATH)")
+
+    @property
+    def id(self) -> str:
+        return f"{super().id}|file:{self.path}"
+
+
 _SHAPE = re.compile(r"^M(\d+(?:x\d+)*)K(\d+)N(\d+)$")
 _OPERAND = re.compile(r"^(in|w):(\w+):([A-Z])$")
 ID_HELP = "expected e.g. 'M256K64N32|in:bf16:C|w:fp32:T|go:C|bias|normal|seed0|steps2'"
@@ -203,6 +224,8 @@ def parse_case_id(case_id: str) -> Case:
                 fields["seed"] = int(part[4:])
             elif part.startswith("steps") and part[5:].isdigit():
                 fields["steps"] = int(part[5:])
+            elif part.startswith("file:") and len(part) > 5:
+                fields["path"] = part[5:]
             elif part.startswith("outlier") and (part[7:].isdigit() or part == "outlier"):
                 fields["dist"], fields["outlier_ratio"] = Dist.OUTLIER, int(part[7:] or 100)
             else:
@@ -213,7 +236,7 @@ def parse_case_id(case_id: str) -> Case:
         raise CaseError(
             f"case id {case_id!r}: cannot read {part!r} ({err}); layouts are "
             f"{[layout.value for layout in Layout]}, distributions {[d.value for d in Dist]}; {ID_HELP}") from None
-    return Case(**fields)
+    return SavedCase(**fields) if "path" in fields else Case(**fields)
 
 
 def check_fits(case: Case, device: str) -> Case:

@@ -114,6 +114,17 @@ def _cases(ids: list[str], device: str):
     return [check_fits(parse_case_id(case_id), device) for case_id in ids]
 
 
+def _case_file(path: Path | None, case_ids, device: str):
+    """The case of --case-file PATH (None without one); --case and --case-file exclude each other."""
+    if path is None:
+        return None
+    if case_ids:
+        raise UsageError("--case-file runs the file's tensors: leave out --case")
+    from parity.cases import check_fits
+    from parity.data import saved_case
+    return check_fits(saved_case(path), device)
+
+
 def _device(requested: str) -> str:
     """The device to run on (cuda if present for "auto"), or CannotRun with the reason."""
     from parity.check import resolve_device
@@ -161,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest K and N generated (default 256)")
     check.add_argument("--case", action="append", default=None, metavar="CASE_ID",
                        help="run exactly this case (repeatable) instead of searching")
+    check.add_argument("--case-file", type=Path, default=None, metavar="PATH",
+                       help="run exactly the tensors of this case file (`fp8-parity train` writes one where two runs "
+                            "diverge) instead of searching")
     check.add_argument("--policy", choices=[p.value for p in Policy], default=None,
                        help="override the parity policy (default: chosen from the recipes)")
     check.add_argument("--no-oracle", action="store_true", help="do not also run the exact emulation")
@@ -206,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reference (default: the recipe's, as for check)")
     _common(bisect)
     bisect.add_argument("--case", default=None, metavar="CASE_ID", help="localize on this failing case")
+    bisect.add_argument("--case-file", type=Path, default=None, metavar="PATH",
+                        help="localize on the tensors of this case file (written by `fp8-parity train`)")
     bisect.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
                         help="search budget for a failing case")
     _timeout_arg(bisect)
@@ -242,6 +258,37 @@ def build_parser() -> argparse.ArgumentParser:
                             help="processes sharing the device (default 1)")
     throughput.add_argument("--cases", type=_count(1, 1_000_000, "--cases 300"), default=300,
                             help="small cases to run (default 300)")
+
+    from parity.model import MODELS
+    from parity.train import DEFAULT_BASELINE, LEARNING_RATE
+    train = commands.add_parser("train", help="parity over real training steps: lockstep runs, per-layer numerics, "
+                                              "the first diverging GEMM",
+                                description="Train a small GPT on a synthetic language (no download) with --impl, "
+                                            "--against and --baseline in lockstep from the same weights and "
+                                            "batches; compare every layer's three GEMMs bitwise at every step, "
+                                            "sample SQNR, amax, underflow and saturation, judge the loss against "
+                                            "the baseline's seed-to-seed noise; save the first diverging GEMM as a "
+                                            "case file for check and bisect. Exit 1 when parity or the loss fails.")
+    _impl_arg(train, default=None, help_prefix="implementation under test")
+    train.add_argument("--against", default=None, metavar="REF",
+                       help="the implementation it must agree with (default: its recipe's parity reference)")
+    train.add_argument("--baseline", default=DEFAULT_BASELINE, metavar="IMPL",
+                       help=f"what the loss is measured against (default {DEFAULT_BASELINE})")
+    _common(train)
+    train.add_argument("--model", default="tiny", metavar="MODEL",
+                       help="; ".join(f"{c.name}: {c.n_layer} layers, d_model {c.d_model}, {c.tokens_per_step} "
+                                      f"tokens a step" for c in MODELS.values()) + " (default tiny)")
+    train.add_argument("--steps", type=_count(1, 1_000_000, "--steps 50"), default=50, help="steps (default 50)")
+    train.add_argument("--sample-every", type=_count(1, 1_000_000, "--sample-every 5"), default=5,
+                       help="compute SQNR, amax, underflow and saturation every this many steps (default 5)")
+    train.add_argument("--window", type=_count(1, 1_000_000, "--window 10"), default=None,
+                       help="steps at the end whose mean loss is judged (default: the last fifth)")
+    train.add_argument("--lr", type=_amount(0, 10, f"--lr {LEARNING_RATE}", low_open=True), default=LEARNING_RATE,
+                       help=f"AdamW learning rate (default {LEARNING_RATE})")
+    train.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0,
+                       help="seed of the weights and the data (the noise run uses seed + 1)")
+    train.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
 
     report = commands.add_parser("report", help="re-render a report from a stored results table")
     report.add_argument("results", type=Path, help="results.csv.gz (or .csv/.parquet) or a report directory")
@@ -479,7 +526,7 @@ def cmd_bisect(args) -> int:
             atomic_write_text(args.json, json.dumps(found.to_json(), indent=2) + "\n")
         return EXIT_FAIL if found.first_bad else EXIT_PASS
     from parity.bisect import localize, render
-    case = _cases([args.case], device)[0] if args.case else None
+    case = _case_file(args.case_file, args.case, device) or (_cases([args.case], device)[0] if args.case else None)
     plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe),
                           load_impl(args.against) if args.against else None, device=device)
     with Progress(True, "bisect"):
@@ -488,6 +535,36 @@ def cmd_bisect(args) -> int:
     if args.json:
         atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
     return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}[result.verdict]
+
+
+def cmd_train(args) -> int:
+    from parity.model import ModelError
+    from parity.outputs import OutputLock
+    from parity.train import TrainError, TrainPlan, run_training, write_train_report
+
+    device = _device(args.device)
+    out = args.out or _default_report_dir()
+    _writable_dir(out, "--out")
+    try:
+        plan = TrainPlan(args.impl, against=args.against, baseline=args.baseline, model=args.model, steps=args.steps,
+                         device=device, seed=args.seed, sample_every=args.sample_every, window=args.window,
+                         lr=args.lr, form=args.form, recipe=args.recipe)
+        print(f"fp8-parity train: {args.impl} on the {plan.model} model, {plan.steps} steps on {device}",
+              file=sys.stderr)
+        with OutputLock(out):
+            with Progress(not args.quiet, "steps") as progress:
+                result = run_training(plan, out_dir=out, progress=progress)
+            write_train_report(result, out)
+    except (TrainError, ModelError) as err:
+        raise UsageError(str(err)) from None
+    judged = result.verdict
+    print(judged.headline)
+    for line in judged.details:
+        print(f"  {line}")
+    if judged.next_step:
+        print(f"next: {judged.next_step}  ({judged.NEXT_STEP_WHY})")
+    print(f"report: {out}/summary.md ({result.seconds:.1f} s)")
+    return EXIT_PASS if judged.ok else EXIT_FAIL
 
 
 def cmd_throughput(args) -> int:
@@ -594,7 +671,8 @@ def cmd_check(args) -> int:
 
     device = _device(args.device)
     _writable_file(args.json, "--json")
-    cases = _cases(args.case, device) if args.case else None
+    saved = _case_file(args.case_file, args.case, device)
+    cases = [saved] if saved else _cases(args.case, device) if args.case else None
     candidate = load_impl(args.impl, form=args.form, recipe=args.recipe)
     reference = load_impl(args.against) if args.against else None
     plan = CheckPlan.make(candidate, reference, policy=args.policy, oracle=not args.no_oracle, device=device)
@@ -632,7 +710,7 @@ def cmd_test(args) -> int:
 
 
 COMMANDS = {"check": cmd_check, "test": cmd_test, "sweep": cmd_sweep, "bisect": cmd_bisect, "bench": cmd_bench,
-            "throughput": cmd_throughput,
+            "throughput": cmd_throughput, "train": cmd_train,
             "report": cmd_report, "diff": cmd_diff}
 
 

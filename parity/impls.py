@@ -100,19 +100,39 @@ class Impl:
             reason = self.limits(case, device_type)
         return None if reason is None else f"{self.name}: {reason}"
 
-    def build(self, linear: nn.Linear) -> tuple[nn.Module, nn.Parameter, nn.Parameter | None]:
-        """(module, weight parameter, bias parameter) implementing `linear`."""
+    def build(self, linear: nn.Linear, *,
+              name: str | None = None) -> tuple[nn.Module, nn.Parameter, nn.Parameter | None]:
+        """(module, weight parameter, bias parameter) implementing `linear`. `name`: the layer's
+        name in its model ("blocks.0.mlp.c_fc"), which a converter sees as the layer's fqn (its
+        module filter decides by it); without one, the converter sees the layer as "0"."""
         if self.form is Form.FUNCTION:
             module = _FunctionLinear(linear, self.target)
         elif self.form is Form.MODULE:
             module = self.target.from_float(linear, **self.convert_kwargs)
-        else:
+        elif name is None:
             holder = nn.Sequential(linear)  # converters swap children; a holder gives them one
             module = self.target(holder, **self.convert_kwargs)
             if module is None:
                 module = holder
+        else:
+            holder = _holder_at(name, linear)
+            converted = self.target(holder, **self.convert_kwargs)
+            module = (holder if converted is None else converted).get_submodule(name)
         weight, bias = _find_parameters(module, linear)
         return module, weight, bias
+
+
+def _holder_at(name: str, linear: nn.Linear) -> nn.Module:
+    """A root module holding `linear` at the path `name` (empty modules on the way): a converter
+    sees the layer under its name in the model."""
+    root = parent = nn.Module()
+    *path, leaf = name.split(".")
+    for part in path:
+        child = nn.Module()
+        parent.add_module(part, child)
+        parent = child
+    parent.add_module(leaf, linear)
+    return root
 
 
 class _FunctionLinear(nn.Module):
