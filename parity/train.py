@@ -307,6 +307,7 @@ class TrainResult:
     bitwise_required: bool
     divergence: Divergence | None = None
     loss_differs_at: int | None = None  # a step whose loss differs while every GEMM agreed
+    crash: str | None = None  # an implementation that raised: where, and its exception (training stops there)
     seconds: float = 0.0
     verdict: Verdict | None = None
 
@@ -326,13 +327,17 @@ def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
             for role, impl in impls.items()]
     bitwise_required = default_policy(candidate, against) is Policy.BITWISE
     rows: list[dict] = []
-    divergence, loss_differs_at, previous = None, None, None
+    divergence, loss_differs_at, previous, crash = None, None, None, None
     fast_cpu_gemm = plan.device == "cpu" and cpu_gemm.enabled()  # torch's CPU _scaled_mm is slow (cpu_gemm)
     with cpu_gemm.FastScaledMM() if fast_cpu_gemm else contextlib.nullcontext():
         for step, batch in enumerate(tokens):
             batch = batch.to(plan.device)
-            for run in runs:
-                forward_backward(run, batch)
+            try:
+                for run in runs:
+                    forward_backward(run, batch)
+            except Exception as err:  # noqa: BLE001 - an implementation that raises is a finding, not a crash
+                crash = f"{run.impl.name} ({run.role}) raised at step {step}: {type(err).__name__}: {err}"
+                break
             cand, ref = runs[0], runs[1]
             bitwise = {(name, gemm): _same(cand.probes[name].results()[gemm], ref.probes[name].results()[gemm])
                        for name in cand.probes for gemm in GEMMS}
@@ -365,7 +370,7 @@ def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
     frame.attrs["env"] = dict(environment(plan.device), model=plan.model, steps=plan.steps,
                               entropy_rate=round(source.entropy_rate, 6), seconds=round(time.perf_counter() - start, 1))
     result = TrainResult(plan, frame, source, {run.role: run.impl.name for run in runs}, bitwise_required,
-                         divergence, loss_differs_at, time.perf_counter() - start)
+                         divergence, loss_differs_at, crash, time.perf_counter() - start)
     result.verdict = train_verdict(result)
     return result
 
@@ -403,6 +408,10 @@ def loss_table(result: TrainResult) -> pd.DataFrame:
 
 def train_verdict(result: TrainResult) -> Verdict:
     plan, details = result.plan, []
+    if result.crash is not None:
+        done = int(result.frame["step"].max()) + 1 if len(result.frame) else 0
+        return Verdict(False, f"FAIL: {result.crash}", [f"training stopped there, after {done} complete steps"],
+                       None)
     table = loss_table(result).set_index("role")
     gap_column = "gap to baseline %"
     gap = table.loc["candidate", gap_column] / 100
@@ -487,6 +496,12 @@ def plot_loss(fig, result: TrainResult) -> None:
 def write_train_report(result: TrainResult, out_dir: str | Path) -> list[Path]:
     """results.csv.gz, env.json, loss.png, summary.md and index.html, through parity.report's one writer."""
     plan = result.plan
+    title = f"fp8-parity train: {result.runs['candidate']}, {plan.model} model, {plan.steps} steps on {plan.device}"
+    if result.crash is not None:  # what ran before the crash, and the crash
+        crash = pd.DataFrame.from_records([dict(finding=result.crash)])
+        frame = result.frame if len(result.frame) else crash
+        return write_report(frame, out_dir, title=title, verdict=result.verdict, plots=False,
+                            tables=[("Crash", "the implementation raised; training stopped at that step", crash)])
     tables = [
         ("Loss", f"mean over the last {plan.loss_window} steps; the floor is the source's entropy rate "
                  f"{result.source.entropy_rate:.4f} nats", loss_table(result)),
@@ -496,6 +511,5 @@ def write_train_report(result: TrainResult, out_dir: str | Path) -> list[Path]:
          "values quantized to zero; saturated: values on the fp8 max", numerics_table(result)),
         ("Loss at the sampled steps", None, curve_table(result)),
     ]
-    title = f"fp8-parity train: {result.runs['candidate']}, {plan.model} model, {plan.steps} steps on {plan.device}"
     return write_report(result.frame, out_dir, title=title, verdict=result.verdict, tables=tables, plots=False,
                         extra_plots={"loss.png": partial(plot_loss, result=result)})

@@ -38,3 +38,13 @@ class stale_weight_cache(Float8Linear):  # noqa: N801 - named as the fault it is
 def skips_a_layer(model: nn.Module, **kwargs) -> nn.Module:
     """fp8_impl's convert_to_float8_training, with a filter that wrongly skips SKIPPED_LAYER."""
     return convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != SKIPPED_LAYER, **kwargs)
+
+
+class raises_at_second_step(Float8Linear):  # noqa: N801
+    """Float8Linear that raises from its second call on: a crash is a finding of `train`, not of the harness."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._calls = getattr(self, "_calls", 0) + 1
+        if self._calls > 1:
+            raise RuntimeError("planted: the second call raises")
+        return super().forward(input)
