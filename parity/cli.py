@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     bisect.add_argument("--against", default=None, metavar="REF",
                         help="reference (default: the recipe's, as for check)")
     _common(bisect)
-    bisect.add_argument("--case", default=None, metavar="CASE_ID", help="localize on this failing case")
+    bisect.add_argument("--case", default=None, metavar="CASE_ID",
+                        help="localize on this failing case (with --git: each commit's check runs only it)")
     bisect.add_argument("--case-file", type=Path, default=None, metavar="PATH",
                         help="localize on the tensors of this case file (written by `fp8-parity train`)")
     bisect.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
@@ -520,7 +521,7 @@ def cmd_bisect(args) -> int:
         from parity.history import git_bisect
         with Progress(True, "bisect --git"):  # a heartbeat in a log: one check per commit takes a while
             found = git_bisect(args.git[0], args.git[1], impl=args.impl, against=args.against, device=device,
-                               max_examples=args.max_examples)
+                               max_examples=args.max_examples, case=args.case)
         print(found.render(), end="")
         if args.json:
             atomic_write_text(args.json, json.dumps(found.to_json(), indent=2) + "\n")

@@ -80,7 +80,7 @@ def _impl_in_worktree(impl: str, root: Path, worktree: Path) -> str:
 
 
 def git_bisect(good: str, bad: str, *, impl: str, against: str = "torchao:tensorwise", device: str = "cpu",
-               max_examples: int = 50, repo: str | Path = ".") -> BisectOutcome:
+               max_examples: int = 50, repo: str | Path = ".", case: str | None = None) -> BisectOutcome:
     root = Path(_git("rev-parse", "--show-toplevel", cwd=repo))
     good_sha, bad_sha = (_git("rev-parse", "--verify", f"{rev}^{{commit}}", cwd=root) for rev in (good, bad))
     harness_root = str(Path(parity.__file__).resolve().parent.parent)
@@ -90,7 +90,8 @@ def git_bisect(good: str, bad: str, *, impl: str, against: str = "torchao:tensor
         try:
             spec = _impl_in_worktree(impl, root, worktree)
             check = [sys.executable, "-m", "parity", "check", "--impl", spec, "--against", against,
-                     "--device", device, "--max-examples", str(max_examples), "--quiet"]
+                     "--device", device, "--max-examples", str(max_examples), "--quiet",
+                     *(("--case", case) if case else ())]  # a known failing case: each commit runs only it
             # exit 2 (the implementation does not load at this commit) means "cannot test": skip it
             script = f"cd {shlex.quote(scratch)} && {shlex.join(check)}; rc=$?; [ $rc -eq 2 ] && exit 125; exit $rc"
             env = dict(os.environ, **{IMPL_PATH_ENV: str(worktree)},
