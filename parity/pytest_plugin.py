@@ -40,9 +40,7 @@ _COMMON = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too
                                       HealthCheck.function_scoped_fixture])
 PROFILES = {
     "fp8-dev": dict(max_examples=20, deadline=None),
-    # CI: fp8-dev's budget, derandomized (every run checks the same cases); the whole suite has five minutes on
-    # a 2-core machine, and fp8-gpu / fp8-thorough are the profiles that search further
-    "fp8-ci": dict(max_examples=20, derandomize=True, deadline=None, database=None, print_blob=True),
+    "fp8-ci": dict(max_examples=30, derandomize=True, deadline=None, database=None, print_blob=True),
     "fp8-gpu": dict(max_examples=100, deadline=None, derandomize=True, database=None, print_blob=True),
     "fp8-thorough": dict(max_examples=1000, deadline=None, print_blob=True),
 }
