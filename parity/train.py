@@ -55,9 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parity import cpu_gemm, oracles
+from parity import cpu_gemm, oracles, sandbox
 from parity.data import write_case_file
 from parity.env import environment
+from parity.metrics import sqnr_db
 from parity.impls import Impl, default_reference, load_impl
 from parity.model import GPT, GPTConfig, MarkovSource, ModelError, batches, get_model_config
 from parity.policy import Policy, default_policy
@@ -223,15 +224,6 @@ def forward_backward(run: Run, tokens: torch.Tensor) -> None:
 
 # ---- numerics -----------------------------------------------------------------------------------
 
-def sqnr_db(got: torch.Tensor, exact: torch.Tensor) -> float:
-    """20 log10(||exact|| / ||got - exact||) in float64 (parity.metrics' definition); inf when equal."""
-    noise = (got.to(torch.float64) - exact).norm().item()
-    signal = exact.norm().item()
-    if noise == 0:
-        return math.inf
-    return 20 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
 def shadow_gemms(input_2d: torch.Tensor, weight: torch.Tensor, grad_output_2d: torch.Tensor) -> dict:
     """The three GEMMs in float64 on the same operands."""
     x, w, g = (t.to(torch.float64) for t in (input_2d, weight, grad_output_2d))
@@ -332,10 +324,11 @@ def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
     with cpu_gemm.FastScaledMM() if fast_cpu_gemm else contextlib.nullcontext():
         for step, batch in enumerate(tokens):
             batch = batch.to(plan.device)
-            try:
-                for run in runs:
-                    forward_backward(run, batch)
-            except Exception as err:  # noqa: BLE001 - an implementation that raises is a finding, not a crash
+            try:  # os._exit raises too: a run cut short must never read as a pass
+                with sandbox.exits_raise():
+                    for run in runs:
+                        forward_backward(run, batch)
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - an implementation that raises is a finding
                 crash = f"{run.impl.name} ({run.role}) raised at step {step}: {type(err).__name__}: {err}"
                 break
             cand, ref = runs[0], runs[1]

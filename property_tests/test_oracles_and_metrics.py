@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import fp8_impl
 from parity import oracles
 from parity.metrics import compare, describe_mismatch, ulp
+from parity.metrics import sqnr_db as metrics_sqnr_db
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 
@@ -126,3 +127,15 @@ def test_emulated_quantization_equals_fp8_impl_for_every_granularity(recipe, gen
         q = oracles.quantize(x, theirs, pow2=spec.pow2_scales)
         assert torch.equal(q.values, data.to(torch.float64))
         assert torch.equal(q.inv_scale, inverse.to(torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sqnr_db_alone_equals_compares(dtype):
+    """The cheap sqnr_db (train's per-GEMM numerics) is compare()'s SQNR, NaN, Inf and fp16 overflow included."""
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(64, 32, generator=generator, dtype=torch.float64) * 3e4  # fp16 overflows some
+    candidate = reference.to(dtype)
+    candidate.view(-1)[3] = float("nan")
+    reference[0, 5] = float("inf")
+    assert metrics_sqnr_db(candidate, reference) == compare(candidate, reference)["sqnr_db"]
+    assert metrics_sqnr_db(candidate, candidate) == compare(candidate, candidate)["sqnr_db"] == float("inf")

@@ -72,13 +72,17 @@ def test_converter_that_skips_a_layer_is_localized_to_that_layer(tmp_path):
     assert "must be bitwise equal" in result.verdict.headline
 
 
-def test_an_implementation_that_raises_is_a_finding_with_its_step(tmp_path, capsys):
-    spec = SKIPS_A_LAYER.replace("skips_a_layer", "raises_at_second_step")
+@pytest.mark.parametrize(("fault", "says"), [
+    ("raises_at_second_step", "raised at step 1: RuntimeError: planted: the second call raises"),
+    ("exits_at_second_step", "raised at step 1: ProcessExit: os._exit(0) was called"),
+])
+def test_an_implementation_that_raises_or_exits_is_a_finding_with_its_step(tmp_path, capsys, fault, says):
+    spec = SKIPS_A_LAYER.replace("skips_a_layer", fault)
     assert main(["train", "--impl", spec, "--steps", "3", "--model", "tiny", "--device", "cpu", "--out",
                  str(tmp_path / "report"), "--quiet"]) == 1
     out = capsys.readouterr().out
-    assert "raised at step 1: RuntimeError: planted: the second call raises" in out
-    assert "planted" in (tmp_path / "report" / "summary.md").read_text()
+    assert says in out
+    assert "FAIL" in (tmp_path / "report" / "summary.md").read_text()
 
 
 def test_bad_input_is_a_clear_error(capsys, tmp_path):

@@ -48,3 +48,14 @@ class raises_at_second_step(Float8Linear):  # noqa: N801
         if self._calls > 1:
             raise RuntimeError("planted: the second call raises")
         return super().forward(input)
+
+
+class exits_at_second_step(Float8Linear):  # noqa: N801
+    """Float8Linear that calls os._exit(0) from its second call on: the run must not end as a pass."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._calls = getattr(self, "_calls", 0) + 1
+        if self._calls > 1:
+            import os
+            os._exit(0)
+        return super().forward(input)
