@@ -727,10 +727,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     named = [*(args.impl if isinstance(getattr(args, "impl", None), list) else [getattr(args, "impl", None)]),
              getattr(args, "against", None)]
-    if args.command in ("check", "bisect", "sweep") and args.device != "cuda" and not torch.cuda.is_available() \
-            and any(name and name not in BUILTINS for name in named):
+    if args.command in ("check", "bisect", "sweep") and any(name and name not in BUILTINS for name in named):
         from parity.worker import warm_up
-        warm_up()  # code under test runs in workers: their imports run beside this process's
+        on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        warm_up("cuda" if on_gpu else "cpu")  # code under test runs in workers: their imports run beside this process's
     try:
         return COMMANDS[args.command](args)
     except (ImplError, CaseError, UsageError, HistoryError, RecipeError, OutputError) as err:

@@ -109,7 +109,7 @@ def end_worker(what: str) -> None:
         os._exit(70)
 
 
-def _serve(conn, phase, output_path: str, memory_bytes: int | None) -> None:
+def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: bool = False) -> None:
     global _PHASE, _CONN
     _PHASE, _CONN = phase, conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's; one raised by the code is a finding
@@ -120,6 +120,8 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None) -> None:
     if memory_bytes:
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    if preload:  # a spawned (CUDA) worker: what the CPU fork server imports, and the CUDA context, before any task
+        _preload_cuda()
     while True:
         try:
             message = conn.recv()
@@ -143,7 +145,69 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None) -> None:
     os._exit(0)
 
 
+def _preload_cuda() -> None:
+    """The imports of parity.preload, then the CUDA context and the first kernels of each kind a case
+    runs (an fp8 _scaled_mm, a bf16 and a float64 matmul): in a fresh process on an H200 these cost
+    seconds the first time, and a spare worker pays them before it is needed. Only the harness's
+    code runs here, never the code under test."""
+    import parity.preload  # noqa: F401
+    import torch
+    with contextlib.suppress(Exception):  # a GPU without fp8 kernels: the case reports it, not the warm-up
+        torch.cuda.init()
+        a = torch.ones(16, 16, device="cuda")
+        for dtype in (torch.bfloat16, torch.float32, torch.float64):
+            (a.to(dtype) @ a.to(dtype)).sum().item()
+        one = torch.ones((), device="cuda")
+        torch._scaled_mm(a.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn).t(), scale_a=one, scale_b=one,
+                         out_dtype=torch.bfloat16).sum().item()
+    sys.stdout.flush()
+
+
 # ---- in the parent --------------------------------------------------------------------------------------
+
+@dataclass
+class _Process:
+    """A started worker process and what the parent holds of it."""
+
+    process: Any
+    conn: Any
+    phase: Any  # the shared buffer: implementation and phase
+    output: str  # the file its stdout and stderr go to
+
+
+def _spawn(context, device_type: str) -> _Process:
+    phase = context.Array("c", PHASE_BYTES, lock=False)
+    parent, child = context.Pipe()
+    memory = None
+    if device_type != "cuda" and hasattr(os, "sysconf"):
+        try:
+            memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MEMORY_SHARE)
+        except (ValueError, OSError):
+            memory = None
+    fd, output = tempfile.mkstemp(prefix="fp8-parity-worker-", suffix=".log")
+    os.close(fd)
+    process = context.Process(target=_serve, args=(child, phase, output, memory, device_type == "cuda"),
+                              daemon=True)
+    with _main_not_rerun():
+        process.start()
+    child.close()
+    return _Process(process, parent, phase, output)
+
+
+# A fresh CUDA worker costs what a fresh interpreter costs: torch's, the harness's and torchao's
+# imports and a CUDA context, about 10 s on the H200 machine, and a bisect needs several (one per
+# case it must run alone, one after each death). The CPU has its fork server for that; the GPU has
+# one spare per device type, spawned in the background whenever a CUDA worker starts, so the
+# next fresh worker is ready when asked for. A spare that is never used dies with this process
+# (daemonic: multiprocessing terminates it at exit).
+_SPARES: dict[str, _Process] = {}
+
+
+def prestart(device_type: str) -> None:
+    """Spawn the spare worker of `device_type` now, unless one is waiting (CUDA only: CPU workers fork
+    from the fork server at once)."""
+    if device_type == "cuda" and not (device_type in _SPARES and _SPARES[device_type].process.is_alive()):
+        _SPARES[device_type] = _spawn(_context(device_type), device_type)
 
 def _signal_name(number: int) -> str:
     try:
@@ -175,9 +239,13 @@ def _main_not_rerun():
             sys.modules["__main__"] = main
 
 
-def warm_up() -> None:
-    """Start the CPU workers' fork server now, so that its imports run while this process does its
-    own (a command calls this first thing: seconds saved on a two-core laptop)."""
+def warm_up(device_type: str = "cpu") -> None:
+    """Start the CPU workers' fork server, or the first spare CUDA worker, now, so that its imports
+    run while this process does its own (a command calls this first thing: seconds saved on a
+    two-core laptop, and a CUDA worker's start on a GPU machine)."""
+    if device_type == "cuda":
+        prestart("cuda")
+        return
     from multiprocessing import forkserver
     _context("cpu")
     with _main_not_rerun():
@@ -207,25 +275,22 @@ class Worker:
         self._context = _context(device_type)
         self._process = self._conn = self._phase = None
         self._sent: set[str] = set()
-        self._output = tempfile.NamedTemporaryFile(prefix="fp8-parity-worker-", suffix=".log", delete=False)
-        self._output.close()
+        self._output: str | None = None  # the file the current process prints to
 
     def _start(self) -> None:
         self._sent: set[str] = set()
-        self._phase = self._context.Array("c", PHASE_BYTES, lock=False)
-        parent, child = self._context.Pipe()
-        memory = None
-        if self.device_type != "cuda" and hasattr(os, "sysconf"):
-            try:
-                memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MEMORY_SHARE)
-            except (ValueError, OSError):
-                memory = None
-        self._process = self._context.Process(target=_serve, args=(child, self._phase, self._output.name, memory),
-                                              daemon=True)
-        with _main_not_rerun():
-            self._process.start()
-        child.close()
-        self._conn = parent
+        self._unlink_output()
+        spare = _SPARES.pop(self.device_type, None)
+        if spare is None or not spare.process.is_alive():
+            spare = _spawn(self._context, self.device_type)
+        self._process, self._conn, self._phase, self._output = spare.process, spare.conn, spare.phase, spare.output
+        prestart(self.device_type)  # the next fresh worker (after a death, for a case alone) starts now
+
+    def _unlink_output(self) -> None:
+        if self._output is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._output)
+            self._output = None
 
     def _where(self) -> tuple[str, str]:
         text = bytes(self._phase.value).decode(errors="replace") if self._phase is not None else ""
@@ -234,19 +299,19 @@ class Worker:
 
     def _tail(self) -> str:
         try:
-            with open(self._output.name, "rb") as f:
+            with open(self._output, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
                 f.seek(max(0, size - 200))
                 return f.read().decode(errors="replace").strip().splitlines()[-1][:160] if size else ""
-        except (OSError, IndexError):
+        except (OSError, IndexError, TypeError):
             return ""
 
     def output_bytes(self) -> int:
         """How much the worker has printed so far (its stdout and stderr, to one file)."""
         try:
-            return os.path.getsize(self._output.name)
-        except OSError:
+            return os.path.getsize(self._output)
+        except (OSError, TypeError):
             return 0
 
     def _kill(self) -> None:
@@ -337,10 +402,7 @@ class Worker:
             except (OSError, BrokenPipeError):
                 pass
         self._kill()
-        try:
-            os.unlink(self._output.name)
-        except OSError:
-            pass
+        self._unlink_output()
 
     def __enter__(self) -> "Worker":
         return self

@@ -76,16 +76,22 @@ def time_bisects(name: str, device: str, only: list[str] | None = None) -> None:
     manifest = json.loads((root / name / "manifest.json").read_text())
     bar = 30.0 if device == "cuda" else 60.0
     seconds = {}
-    print("| entry | seconds | exit |\n| --- | --- | --- |")
+    print("| entry | seconds | exit | phases (s) |\n| --- | --- | --- | --- |")
     for entry in manifest:
         if entry["category"] == "none" or device not in entry["devices"] or (only and entry["name"] not in only):
             continue
-        argv = [sys.executable, "-m", "parity", "bisect", "--impl", str(root.parent / entry["impl"]), "--recipe",
-                entry["recipe"], "--device", device]
-        start = time.perf_counter()
-        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        seconds[entry["name"]] = time.perf_counter() - start
-        print(f"| {entry['name']} | {seconds[entry['name']]:.1f} | {done.returncode} |", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = [sys.executable, "-m", "parity", "bisect", "--impl", str(root.parent / entry["impl"]), "--recipe",
+                    entry["recipe"], "--device", device, "--json", f"{tmp}/bisect.json"]
+            start = time.perf_counter()
+            done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            seconds[entry["name"]] = time.perf_counter() - start
+            try:  # the phases bisect itself measured; the rest of the wall time is imports and workers' starts
+                phases = json.loads(Path(f"{tmp}/bisect.json").read_text()).get("seconds", {})
+            except (OSError, ValueError):
+                phases = {}
+        print(f"| {entry['name']} | {seconds[entry['name']]:.1f} | {done.returncode} | "
+              f"{' '.join(f'{k}:{v:.1f}' for k, v in phases.items())} |", flush=True)
     slowest = max(seconds, key=seconds.get)
     print(f"\nbisect on {name} ({device}, {len(seconds)} entries, fresh processes): median "
           f"{statistics.median(seconds.values()):.1f} s, max {seconds[slowest]:.1f} s ({slowest}); bar {bar:.0f} s: "
