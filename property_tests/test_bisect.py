@@ -27,6 +27,8 @@ def plan_for(mutant) -> CheckPlan:
 
 
 def assert_localized(result, mutant):
+    """Class, GEMMs, operand, and the trigger of the mutants that have one (non-contiguous input only,
+    K == N only, from the second call only, fp32 input only, ...: the label bisect prints contains it)."""
     summary = (f"{mutant.name}: got class {result.category}, gemm {result.gemm}, operand {result.operand}, "
                f"trigger {result.trigger}; evidence {result.evidence}")
     assert result.verdict == "fail", summary
@@ -56,18 +58,9 @@ def test_zoo_covers_every_bug_class():
     assert {m.category for m in MUTANTS} == classes and len(MUTANTS) >= 12
 
 
-
-def test_the_three_trigger_bugs_are_reported_with_their_trigger():
-    """Non-contiguous input only; K == N only; from the second call only (the issue's done-when)."""
-    expected = {"input_strides_ignored": "only with non-contiguous input", "weight_transposed_if_square":
-                "only when K == N", "cached_weight": "only from the second call"}
-    for mutant in [m for m in MUTANTS if m.name in expected]:
-        result = localize(plan_for(mutant), max_examples=60)
-        assert any(t.startswith(expected[mutant.name]) for t in result.trigger), result.trigger
-
-
 def test_correct_implementation_has_nothing_to_localize(capsys):
-    assert main(["bisect", "--impl", "property_tests/mutants.py:correct", "--max-examples", "10",
+    # one case: the search's passing path is check's (test_check.py); here, what bisect says after it
+    assert main(["bisect", "--impl", "property_tests/mutants.py:correct", "--case", "M32K64N48|normal|seed0",
                  "--device", "cpu"]) == 0
     assert "nothing to localize" in capsys.readouterr().out
 
