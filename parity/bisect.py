@@ -41,7 +41,8 @@ from parity.check import CheckPlan, run_check
 from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
 from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
-                             explain_result, high_precision_closeness, strides_ignored)
+                             explain_result, gemm_inverse_scales, high_precision_closeness,
+                             strides_ignored)
 from parity.env import environment
 from parity.metrics import compare
 from parity.policy import Violation
@@ -119,6 +120,11 @@ def _outcome(plan: CheckPlan, case: Case, device: str, runner: Worker | None = N
              time_limit: float | None = None) -> Outcome:
     return Outcome(plan.judge(run_case_isolated(case, plan.comparisons, device=device, runner=runner,
                                                 time_limit=time_limit)))
+
+
+def _is_gpu_lint(violation: Violation) -> bool:
+    """A _scaled_mm call that would fail on an H100, seen where it runs (a CPU)."""
+    return violation.metric == "scaled_mm_contract"
 
 
 def _is_contract_only(violation: Violation) -> bool:
@@ -249,11 +255,14 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
     if runner is not None and case.steps == 1 and not base.crashed and not alone(case, spare).fails:
         result.trigger.append("only from the second call (state that earlier calls in the process left)")
         result.trigger_operands.append("")
-        twice = case.replace(steps=2)
-        twice_outcome = alone(twice)
-        if twice_outcome.fails:
-            numeric_case, numeric = twice, twice_outcome
-            diagnosis_runner = Worker(runner.device_type)
+        # two calls of the case; of a Gaussian one too, where the case's data hides a stale operand
+        # (all-zero data: the update between the calls leaves the weight as it was)
+        for twice in dict.fromkeys([case.replace(steps=2), case.replace(steps=2, dist=Dist.NORMAL)]):
+            twice_outcome = alone(twice)
+            if twice_outcome.fails:
+                numeric_case, numeric = twice, twice_outcome
+                diagnosis_runner = Worker(runner.device_type)
+                break
     if base.crashed:
         with_numbers = [(c, o) for c, o in running if o.numeric]
         if with_numbers:
@@ -297,8 +306,14 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
         result.first = result.gemm[0] if result.gemm else None
         result.category, result.operand = result.category or "unknown", result.operand or "unknown"
     lap("diagnosis")
-    if device == "cuda" and not outcome_of(case, "cpu").fails:
-        result.trigger.append("only on the GPU")
+    if device == "cuda":
+        on_cpu = outcome_of(case, "cpu")
+        if not on_cpu.fails:
+            result.trigger.append("only on the GPU")
+        elif all(_is_gpu_lint(v) for v in on_cpu.violations) and not all(_is_gpu_lint(v) for v in base.violations):
+            # the CPU runs the call with the right numbers; only the contract lint (which knows the H100's
+            # rules) flags it there: what fails, crashes or computes wrong numbers, does so only on the GPU
+            result.trigger.append("only on the GPU (the CPU runs this call; there the contract lint flags it)")
     lap("on the CPU")
     return result
 
@@ -372,10 +387,11 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
             continue
         got_result = execution.steps[step_index][gemm]
         exact = getattr(emulated_steps_of(host, recipe)[step_index], gemm)
-        explained = None if got_result is None else explain_result(got_result, exact, case, gemm, recipe,
-                                                                    bias=host.bias if gemm == "output" else None)
+        explained = None if got_result is None else explain_result(
+            got_result, exact, case, gemm, recipe, bias=host.bias if gemm == "output" else None,
+            scales=gemm_inverse_scales(host.steps[step_index], gemm, recipe))
         if explained is not None:
-            findings.append(Finding(step_index, gemm, "result", "result",
+            findings.append(Finding(step_index, gemm, explained[2] if len(explained) > 2 else "result", "result",
                                     f"{explained[1]} (every recorded operand is the recipe's)", explained[0]))
     # GEMMs of the case that made no call: by behaviour, where their results diverge
     called = {g for call in execution.calls for g in call.gemm.split("|")}
@@ -417,6 +433,18 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
                                     f"GEMM writes {str(want).replace('torch.', '')}: another rounding of the sums "
                                     f"(or their overflow)", "accumulation"))
 
+    # grad_bias is grad_output summed over tokens, whatever the GEMMs do: k times that sum says the
+    # bias enters the output k times (twice: added by two layers of the code; none: dropped)
+    if "grad_bias" in diverging and host.bias is not None:
+        step_index = min(v.step for v in numeric if v.tensor == "grad_bias")
+        got_bias = execution.steps[step_index]["grad_bias"] if step_index < len(execution.steps) else None
+        want_bias = host.steps[step_index].grad_output.reshape(-1, case.N).to(torch.float64).sum(0)
+        if got_bias is not None and want_bias.abs().sum() > 0:
+            times = float((got_bias.detach().cpu().to(torch.float64) * want_bias).sum() / (want_bias ** 2).sum())
+            if abs(times - round(times)) < 0.02 and round(times) != 1:
+                findings.append(Finding(step_index, "output", "result", "result",
+                                        f"grad_bias is {round(times)} times grad_output summed over the tokens: the "
+                                        f"bias enters the output {round(times)} times instead of once", "contract"))
     # the GEMMs to blame: diverging tensors and GEMMs with an explained finding, in GEMM order
     gemms = sorted(set(diverging) | {f.gemm for f in findings if f.category}, key=_gemm_order) or \
         sorted({f.gemm for f in findings} | {m.gemm for m in matches}, key=_gemm_order)

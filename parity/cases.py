@@ -57,6 +57,9 @@ class Dist(str, enum.Enum):
     # normal input times 2^-16: an amax near 5e-5, above the scale's floor of 1e-12 and below the larger
     # floors some code uses (1e-4 in DeepGEMM's casts): a floor that is too high shows only here
     SMALL_AMAX = "small_amax"
+    # normal input times 1000: raw magnitudes beyond every fp8 format's max but e5m2's (448, 240):
+    # code that clamps (or otherwise bounds) values before it scales them shows here
+    LARGE = "large"
 
 
 TENSORS = ("output", "grad_input", "grad_weight", "grad_bias")
@@ -278,6 +281,9 @@ def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT) -> tuple[Case, ...]
         base.replace(weight_layout=Layout.TRANSPOSED, grad_output_layout=Layout.SLICED),
         base.replace(input_dtype="fp32", weight_dtype="fp32", bias=True),
         base.replace(weight_dtype="fp32", bias=True, steps=2),
+        # fp16 with a small amax: the scale (about 1e7) is beyond fp16's range, so a scale kept in,
+        # or clamped to, the input's dtype shows here and nowhere in bf16 or fp32
+        base.replace(dist=Dist.SMALL_AMAX, input_dtype="fp16"),
     )
 
 

@@ -120,12 +120,33 @@ def _v1_scaling(a_shape, scale_a: torch.Tensor, b_shape, scale_b: torch.Tensor) 
     return "?", "?"
 
 
+def custom_op_kernel(func, args):
+    """The Python function behind a torch.library.custom_op `func` for the device of its first
+    tensor argument, or None (an aten op, or an op without one). A custom op is opaque to a
+    dispatch mode: the mode sees the op, not the _scaled_mm calls its kernel makes. A mode that
+    runs this function itself, with the mode active again, sees them (and no recursion: the
+    function is the op's body, not the op)."""
+    if func.namespace in ("aten", "prim", "prims"):
+        return None
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+        opdef = _maybe_get_opdef(func)
+    except (ImportError, AttributeError, TypeError, ValueError):  # another torch: the op stays opaque
+        return None
+    if opdef is None:
+        return None
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    backends = getattr(opdef, "_backend_fns", {}) or {}
+    return backends.get(device) or backends.get(None) or getattr(opdef, "_init_fn", None)
+
+
 class ScaledMMRecorder(TorchDispatchMode):
     """Records every aten._scaled_mm and aten._scaled_mm_v2 call made while active (with the
     operand and scale tensors, cloned, when keep_data=True).
 
     Calls with tensor-subclass arguments return NotImplemented so the subclass handles
-    them first; the plain-tensor call it then issues comes back through this mode.
+    them first; the plain-tensor call it then issues comes back through this mode. The body of a
+    torch.library custom op runs inside this mode (custom_op_kernel), so calls it makes are seen.
     """
 
     def __init__(self, M: int, K: int, N: int, *, keep_data: bool = False):
@@ -140,6 +161,10 @@ class ScaledMMRecorder(TorchDispatchMode):
             return NotImplemented
         if func in _V1_OPS or func in _V2_OPS:
             self.calls.append(self._record(func in _V2_OPS, args, kwargs))
+        kernel = custom_op_kernel(func, args)
+        if kernel is not None:  # a torch.library custom op: its body runs here, its calls come through this mode
+            with self:
+                return kernel(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _record(self, v2: bool, args, kwargs) -> ScaledMMCall:

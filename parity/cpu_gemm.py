@@ -8,7 +8,9 @@ the CPU as the same emulation done with the fast kernels: the fp8 operands conve
 accumulation, like torch's kernel and within parity.oracles' bound), the inverse scales
 multiplied into the result, then the bias, then the cast to out_dtype. With unit scales this
 is bitwise torch's own CPU result (measured); with other scales torch's kernel rounds the
-scaling in another order, so the last fp32 bit can differ.
+scaling in another order, so the last fp32 bit can differ. The operands are multiplied in one
+layout (A row-major, B column-major, the GPU contract's), whatever strides they came with: the
+same values give the same bits, as on a GPU, where any other layout is rejected.
 
 The harness runs every implementation of a case under the same kernel, so two implementations
 that make the same calls stay bitwise equal, and the accumulation bound holds as before. Calls
@@ -42,7 +44,10 @@ def _fast(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, 
     rowwise = tuple(scale_a.shape) == (M, 1) and tuple(scale_b.shape) == (1, N)
     if not (tensorwise or rowwise) or a.shape[1] != b.shape[0]:
         return None
-    out = a.to(torch.float32) @ b.to(torch.float32)
+    # In the GPU contract's layout whatever strides the call came with: the CPU matmul's summation
+    # order follows the operands' memory layout, so two implementations passing the same values with
+    # other (valid) strides would differ in the last bit on a CPU and not on a GPU.
+    out = a.to(torch.float32).contiguous() @ b.to(torch.float32).t().contiguous().t()
     out = out * (scale_a.reshape(()) * scale_b.reshape(())) if tensorwise else out * scale_a * scale_b
     if bias is not None:
         out = out + bias.to(torch.float32)
@@ -63,4 +68,9 @@ class FastScaledMM(TorchDispatchMode):
             out = _fast(**bound)
             if out is not None:
                 return out
+        from parity.contract import custom_op_kernel
+        kernel = custom_op_kernel(func, args)
+        if kernel is not None:  # a torch.library custom op: the _scaled_mm calls in its body run here too
+            with self:
+                return kernel(*args, **kwargs)
         return func(*args, **kwargs)

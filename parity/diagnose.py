@@ -26,7 +26,8 @@ matches closely and clearly better than the correct emulation (ties go to the co
 
 Bug classes (the vocabulary of bisect): transpose, layout, scale, fp8_dtype, saturation,
 accumulation, contract, stale_state, crash, and precision (a GEMM that runs in another precision
-than its recipe says: no FP8 call where the recipe has one, or an FP8 one where it has none).
+than its recipe says: no FP8 call where the recipe has one, or an FP8 one where it has none; or
+an operand rounded to a lower precision before its fp8 cast).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
     own_tile = cast.scaling.tile(rows, inner)
     hypotheses = [
         Hypothesis("fp8_dtype", f"cast to {other} instead of {cast.fp8}", {"cast": Cast(cast.scaling, other)}),
+
         Hypothesis("scale", "amax = max(x) instead of max(|x|)", {"absolute_amax": False}),
         *(Hypothesis("precision", f"the operand rounded to {name} before its cast", {"source_dtype": dtype})
           for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16))),
@@ -151,6 +153,8 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
         hypotheses += [
             Hypothesis("saturation", "scaled to e5m2's max (57344) and saturated at e4m3's 448",
                        {"target_max": 57344.0}),
+            Hypothesis("saturation", "scaled to e5m2's max (57344) and cast without saturating: beyond 448 it is NaN",
+                       {"target_max": 57344.0, "overflow_nan": True}),
             Hypothesis("saturation", "clamped at 240 (e4m3fnuz's max) instead of 448", {"clamp_max": 240.0}),
             Hypothesis("scale", "scaled to 240 (e4m3fnuz's max) instead of 448", {"target_max": 240.0}),
         ]
@@ -159,6 +163,12 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
             Hypothesis("saturation", "clamped at e4m3's 448 instead of e5m2's 57344", {"clamp_max": 448.0}),
             Hypothesis("saturation", "scaled to e4m3's max (448) instead of e5m2's", {"target_max": 448.0}),
         ]
+    # ROCm's formats last: in their normal range their grid is the OCP formats' (e4m3fnuz scaled to
+    # 240 is e4m3 scaled to 240 but for the lowest binade), so where nothing falls that low the
+    # simpler "scaled to 240" hypothesis above wins the tie; a recorded call shows the dtype itself
+    hypotheses += [Hypothesis("fp8_dtype", f"cast to {name} (ROCm's format, max {oracles.FORMATS[dtype].max:g}) "
+                                           f"instead of {cast.fp8}", {"fp8_format": dtype})
+                   for name, dtype in (("e4m3fnuz", torch.float8_e4m3fnuz), ("e5m2fnuz", torch.float8_e5m2fnuz))]
     return hypotheses
 
 
@@ -343,6 +353,14 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
             return stage, hypothesis.category, hypothesis.description
     if scales is None:
         return "scale", "scale", "its scale tensor cannot be read as the recipe's scales (see the contract rules)"
+    if scales_ok:  # the GEMM is handed the recipe's scales: were the values quantized some other way?
+        for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
+            source = sources.view(gemm, role, hypothesis.source)
+            q = None if source is None or tuple(source.shape) != (rows, inner) else \
+                _quantize(source, cast, recipe, hypothesis.options)
+            if q is not None and _same(values, q.values.cpu()):
+                return "bytes", hypothesis.category, (f"its fp8 values are those of {hypothesis.description}, while "
+                                                      f"the GEMM is handed the recipe's scales")
     if not scales_ok:
         count, index, got, want = _first_difference(scales, want_scales)
         return "scale", "", (f"its inverse scale differs from the oracle's for {count} of {scales.numel()} elements "
@@ -471,11 +489,57 @@ def call_findings(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], reci
 
 # ---- what the implementation did with a GEMM's result ---------------------------------------------
 
+def gemm_inverse_scales(step: StepData, gemm: str, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The recipe's inverse scales of a GEMM's A, one per row [rows, 1], and of its B, one per
+    column [1, cols] (float64); None where scales vary along the inner dim (block scales) or the
+    GEMM has none (high precision)."""
+    spec = recipe.gemm(gemm)
+    if spec.high_precision:
+        return None
+    K, N = step.input.shape[-1], step.weight.shape[0]
+    a_hp, b_hp = oracles.operand_views(step.input.reshape(-1, K), step.weight, step.grad_output.reshape(-1, N))[gemm]
+    try:
+        a, b = oracles.quantize(a_hp, spec.a, pow2=recipe.pow2_scales), oracles.quantize(b_hp, spec.b,
+                                                                                          pow2=recipe.pow2_scales)
+    except RuntimeError:
+        return None
+    if a.inv_scale.shape[1] != 1 or b.inv_scale.shape[1] != 1:
+        return None
+    rows, cols = a_hp.shape[0], b_hp.shape[0]
+    a_rows = a.inv_scale.cpu().repeat_interleave(a.tile[0], dim=0).expand(rows, 1)
+    b_cols = b.inv_scale.cpu().repeat_interleave(b.tile[0], dim=0).expand(cols, 1).t()
+    return a_rows, b_cols
+
+
+def _epilogue_mistakes(exact: torch.Tensor, scales, operands: tuple[str, str]):
+    """(category, operand, message, value) for each way the inverse scales of A (per row) and B (per
+    column) can be misapplied to the product after it (or in it and after it): the exact result
+    is the product times a_inv * b_inv."""
+    if scales is None or exact.shape != (scales[0].shape[0], scales[1].shape[1]):
+        return []
+    a_inv, b_inv = scales
+    a_name, b_name = operands
+    return [
+        ("scale", b_name, f"B's ({b_name}) scale multiplied into the result where its inverse belongs",
+         exact / b_inv ** 2),
+        ("scale", a_name, f"A's ({a_name}) scale multiplied into the result where its inverse belongs",
+         exact / a_inv ** 2),
+        ("scale", "result", "both scales multiplied into the result where their inverses belong",
+         exact / (a_inv ** 2 * b_inv ** 2)),
+        ("scale", "result", "the inverse scales applied twice: in the call and again to its result",
+         exact * a_inv * b_inv),
+        ("scale", b_name, f"B's ({b_name}) inverse scale never applied to the result", exact / b_inv),
+        ("scale", a_name, f"A's ({a_name}) inverse scale never applied to the result", exact / a_inv),
+    ]
+
+
 def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: str, recipe: Recipe, *,
-                   bias: torch.Tensor | None = None) -> tuple[str, str] | None:
+                   bias: torch.Tensor | None = None, scales=None) -> tuple[str, str] | tuple[str, str, str] | None:
     """(category, message) when `got` is the exact GEMM result `exact` (float64) transformed after
     the GEMM (rescaled, transposed, reshaped, rounded through another dtype, a bias twice or
-    dropped); None when no such transform reproduces it."""
+    dropped); None when no such transform reproduces it. With the GEMM's per-row and per-column
+    inverse `scales` (gemm_inverse_scales), also a scale misapplied to the result: then
+    (category, message, operand)."""
     got64 = got.detach().to(torch.float64).cpu().reshape(-1, got.shape[-1])
     exact = exact.detach().to(torch.float64).cpu()
     b = None if bias is None else bias.detach().to(torch.float64).cpu()
@@ -491,6 +555,10 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
     def close(value: torch.Tensor) -> bool:
         return value.shape == got64.shape and compare(got64, value)["sqnr_db"] >= MATCH_DB
     ratio = float((got64.nan_to_num() * exact).sum() / (exact * exact).sum()) if exact.abs().sum() > 0 else 1.0
+    for category, operand, message, value in _epilogue_mistakes(exact, scales, recipe.gemm(tensor).operands
+                                                                 if tensor in GEMMS else ("A", "B")):
+        if not torch.allclose(value, exact) and close(rounded(with_bias(value))):
+            return category, message, operand
     candidates = []
     if math.isfinite(ratio) and abs(ratio - 1) > 1e-3 and ratio != 0:
         factor, name = _nice_factor(ratio, case)
@@ -626,9 +694,10 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                     scored.append((closeness(oracles.gemm(*both)), spec.operands[0], hypothesis.category,
                                    f"{hypothesis.description}, in both operands"))
         explained = explain_result(target, correct_value, case, gemm_name, recipe,
-                                   bias=bias if gemm_name == "output" else None)
+                                   bias=bias if gemm_name == "output" else None,
+                                   scales=gemm_inverse_scales(steps[step_index], gemm_name, recipe))
         if explained is not None:
-            scored.append((MATCH_DB, "result", *explained))
+            scored.append((MATCH_DB, explained[2] if len(explained) > 2 else "result", *explained[:2]))
         if not scored:
             continue
         best = max(scored, key=lambda s: s[0])

@@ -81,7 +81,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
              scale_dtype: torch.dtype = torch.float32, target_max: float | None = None,
              clamp_max: float | None = None, inverse_scale: bool = True,
              tile: tuple[int, int] | None = None, eps: float = EPS,
-             value_clamp: float | None = None) -> Quantized:
+             value_clamp: float | None = None, fp8_format: torch.dtype | None = None,
+             overflow_nan: bool = False) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
@@ -89,7 +90,9 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     abs, a scale rounded to bf16, a scale aimed at another format's max, a clamp at another
     bound, the scale handed to the GEMM instead of its inverse, scales over other tiles, no
     floor under amax (eps=0), the raw values clamped to `value_clamp` before they are scaled
-    (the scale still from the unclamped amax).
+    (the scale still from the unclamped amax), another fp8 format than the cast's (`fp8_format`,
+    e.g. ROCm's fnuz formats: their max and their grid), a cast that does not saturate
+    (`overflow_nan`: what rounds beyond the format's max becomes NaN, as eager casts on a GPU do).
     """
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
@@ -97,7 +100,7 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     rows, inner = x.shape
     if cast.fp8 is None:
         return Quantized(x.to(torch.float64), x.new_ones((1, 1), dtype=torch.float64), (rows, inner), None)
-    fp8_dtype = cast.dtype
+    fp8_dtype = fp8_format or cast.dtype
     fmt = FORMATS[fp8_dtype]
     r, i = tile or cast.scaling.tile(rows, inner)
     tiles = x.reshape(rows // r, r, inner // i, i)
@@ -108,9 +111,13 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     scale = scale.to(scale_dtype).to(torch.float32)
     raw = tiles.to(torch.float64) if value_clamp is None else tiles.to(torch.float64).clamp(-value_clamp, value_clamp)
     scaled = (raw * scale.to(torch.float64)[:, None, :, None]).to(torch.float32)  # one rounding
+    handed = scale.reciprocal() if inverse_scale else scale
+    if overflow_nan:  # no clamp: whatever rounds past the max is NaN (e4m3fn has no infinity)
+        rounded = round_to_fp8_grid(scaled.to(torch.float64), fp8_dtype)
+        values = torch.where(rounded.abs() > fmt.max, torch.full_like(rounded, math.nan), rounded)
+        return Quantized(values.reshape(rows, inner), handed.to(torch.float64), (r, i), fp8_dtype)
     bound = min(fmt.max, clamp_max or fmt.max)
     saturated = scaled.to(torch.float64).clamp(-bound, bound)
-    handed = scale.reciprocal() if inverse_scale else scale
     return Quantized(round_to_fp8_grid(saturated, fp8_dtype).reshape(rows, inner), handed.to(torch.float64),
                      (r, i), fp8_dtype)
 

@@ -160,7 +160,9 @@ def test_a_gemm_computed_as_its_transpose_is_not_an_operand_bug(user_file):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe, generator):
     """Quantize an operand with each mistake of the space, hand it to explain_operand: it names that
-    mistake (or an equivalent one of the same class), never another class."""
+    mistake (or an equivalent one of the same class), never another class, unless that other
+    mistake gives exactly the same operand on this data (e4m3fnuz's grid is e4m3's scaled to 240
+    above e4m3's lowest binade)."""
     spec = RECIPES[recipe].gemm("output")
     size = 128 if recipe == "blockwise" else 16
     case = Case(lead=(2 * size,), K=2 * size, N=3 * size, steps=2)
@@ -180,7 +182,13 @@ def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe
             scales = q.inv_scale.repeat_interleave(rows // q.inv_scale.shape[0], 0).repeat_interleave(
                 inner // q.inv_scale.shape[1], 1)
             found = explain_operand(q.values, scales, cast, RECIPES[recipe], sources, "output", role)
-            assert found is not None and found[1] == hypothesis.category, (hypothesis.description, found)
+            assert found is not None, hypothesis.description
+            if found[1] != hypothesis.category:  # only where another mistake gives exactly this operand here
+                named = next(h for h in operand_hypotheses(cast, RECIPES[recipe], rows, inner)
+                             if h.description == found[2])
+                twin = _quantize(sources.view("output", role, named.source), cast, RECIPES[recipe], named.options)
+                assert twin is not None and torch.equal(twin.values.nan_to_num(), q.values.nan_to_num()) \
+                    and torch.equal(twin.inv_scale, q.inv_scale), (hypothesis.description, found)
 
 
 def test_oracle_knob_without_eps_gives_infinite_scales():
