@@ -260,16 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--cases", type=_count(1, 1_000_000, "--cases 300"), default=300,
                             help="small cases to run (default 300)")
 
-    from parity.model import MODELS
+    from parity.model import FACTORY_PROTOCOL, MODELS
     from parity.train import DEFAULT_BASELINE, LEARNING_RATE
     train = commands.add_parser("train", help="parity over real training steps: lockstep runs, per-layer numerics, "
                                               "the first diverging GEMM",
                                 description="Train a small GPT on a synthetic language (no download) with --impl, "
                                             "--against and --baseline in lockstep from the same weights and "
-                                            "batches; compare every layer's three GEMMs bitwise at every step, "
-                                            "sample SQNR, amax, underflow and saturation, judge the loss against "
-                                            "the baseline's seed-to-seed noise; save the first diverging GEMM as a "
-                                            "case file for check and bisect. Exit 1 when parity or the loss fails.")
+                                            "batches; compare every layer's three GEMMs bitwise at every call "
+                                            "(every micro-batch under --grad-accum; under --checkpoint the "
+                                            "backward GEMMs on the recompute's tensors), sample SQNR, amax, "
+                                            "underflow and saturation, judge the loss against the baseline's "
+                                            "seed-to-seed noise; save the first diverging GEMM as a case file for "
+                                            "check and bisect; time every step. Your own model: --model "
+                                            "path/to/file.py:factory, where factory is " + FACTORY_PROTOCOL + "; "
+                                            "every nn.Linear in it is converted and its weights are drawn under "
+                                            "torch.manual_seed(--seed). Your own data: --data FILE. Exit 1 when "
+                                            "parity or the loss fails.")
     _impl_arg(train, default=None, help_prefix="implementation under test")
     train.add_argument("--against", default=None, metavar="REF",
                        help="the implementation it must agree with (default: its recipe's parity reference)")
@@ -278,14 +284,29 @@ def build_parser() -> argparse.ArgumentParser:
     _common(train)
     train.add_argument("--model", default="tiny", metavar="MODEL",
                        help="; ".join(f"{c.name}: {c.n_layer} layers, d_model {c.d_model}, {c.tokens_per_step} "
-                                      f"tokens a step" for c in MODELS.values()) + " (default tiny)")
+                                      f"tokens a step" for c in MODELS.values())
+                            + " (default tiny); or path/to/file.py:factory, your own model (see the description)")
+    train.add_argument("--data", type=Path, default=None, metavar="FILE",
+                       help="train on this file instead of the synthetic language: token ids as a .pt (an integer "
+                            "tensor, torch.save) or .npy (an integer array, numpy.save) file, or any other file as "
+                            "UTF-8 text read as bytes (ids 0-255: needs a vocabulary of 256, e.g. --model small); "
+                            "ids must be below the model's vocab_size; sequences are windows at seeded offsets; no "
+                            "loss floor is known")
     train.add_argument("--steps", type=_count(1, 1_000_000, "--steps 50"), default=50, help="steps (default 50)")
+    train.add_argument("--grad-accum", type=_count(1, 4096, "--grad-accum 2"), default=1, metavar="N",
+                       help="micro-batches a step (gradient accumulation, each micro-batch the model's batch; "
+                            "every micro-batch's GEMMs are compared; default 1)")
+    train.add_argument("--checkpoint", action="store_true",
+                       help="activation checkpointing: torch.utils.checkpoint (use_reentrant=False) around each "
+                            "block of the built-in GPT; the backward GEMMs are compared on the recompute's tensors")
     train.add_argument("--sample-every", type=_count(1, 1_000_000, "--sample-every 5"), default=5,
                        help="compute SQNR, amax, underflow and saturation every this many steps (default 5)")
     train.add_argument("--window", type=_count(1, 1_000_000, "--window 10"), default=None,
                        help="steps at the end whose mean loss is judged (default: the last fifth)")
-    train.add_argument("--lr", type=_amount(0, 10, f"--lr {LEARNING_RATE}", low_open=True), default=LEARNING_RATE,
-                       help=f"AdamW learning rate (default {LEARNING_RATE})")
+    train.add_argument("--lr", type=_amount(0, 10, f"--lr {LEARNING_RATE}", low_open=True), default=None,
+                       help="AdamW learning rate (default: the model's: "
+                            + ", ".join(f"{c.name} {c.learning_rate:g}" for c in MODELS.values())
+                            + f"; {LEARNING_RATE:g} for your own model)")
     train.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0,
                        help="seed of the weights and the data (the noise run uses seed + 1)")
     train.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")
@@ -549,8 +570,12 @@ def cmd_train(args) -> int:
     try:
         plan = TrainPlan(args.impl, against=args.against, baseline=args.baseline, model=args.model, steps=args.steps,
                          device=device, seed=args.seed, sample_every=args.sample_every, window=args.window,
-                         lr=args.lr, form=args.form, recipe=args.recipe)
-        print(f"fp8-parity train: {args.impl} on the {plan.model} model, {plan.steps} steps on {device}",
+                         lr=args.lr, form=args.form, recipe=args.recipe, grad_accum=args.grad_accum,
+                         checkpoint=args.checkpoint, data=None if args.data is None else str(args.data))
+        options = "".join([f", {plan.grad_accum} micro-batches a step" if plan.grad_accum > 1 else "",
+                           ", activation checkpointing" if plan.checkpoint else "",
+                           f", data {plan.data}" if plan.data else ""])
+        print(f"fp8-parity train: {args.impl} on the {plan.model} model, {plan.steps} steps on {device}{options}",
               file=sys.stderr)
         with OutputLock(out):
             with Progress(not args.quiet, "steps") as progress:
@@ -564,7 +589,9 @@ def cmd_train(args) -> int:
         print(f"  {line}")
     if judged.next_step:
         print(f"next: {judged.next_step}  ({judged.NEXT_STEP_WHY})")
-    print(f"report: {out}/summary.md ({result.seconds:.1f} s)")
+    per_step = result.frame.attrs["env"].get("seconds_per_step")
+    print(f"report: {out}/summary.md ({result.seconds:.1f} s"
+          + (f", {per_step:.3f} s per step" if per_step is not None else "") + ")")
     return EXIT_PASS if judged.ok else EXIT_FAIL
 
 
