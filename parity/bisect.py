@@ -505,8 +505,12 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
             return "layout"
         return category
 
-    def stage_rank(f: Finding) -> int:  # a GEMM whose result is right: what the caller sees (the contract) first
-        if f.stage == "contract" and f.gemm not in diverging:
+    # a GEMM whose result is right: what the caller sees (the contract) first; so too a result handed back
+    # in another dtype than nn.Linear's, which an out_dtype finding of the same GEMM only explains
+    dtype_contract = {(f.step, f.gemm) for f in findings if f.stage == "contract" and "dtype is" in f.message}
+
+    def stage_rank(f: Finding) -> int:
+        if f.stage == "contract" and (f.gemm not in diverging or (f.step, f.gemm) in dtype_contract):
             return -1
         return STAGE_ORDER.index(f.stage) if f.stage in STAGE_ORDER else 9
     ordered = sorted(findings, key=lambda f: (f.step, _gemm_order(f.gemm), stage_rank(f)))
