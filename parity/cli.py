@@ -725,6 +725,10 @@ def cmd_test(args) -> int:
         get_recipe(args.recipe)  # a typo is a usage error here, with its "did you mean"
     if args.report is not None:
         _writable_dir(args.report, "--report")
+    # a name that does not load is a usage error now, with its message, not after pytest has started
+    load_impl(args.impl, recipe=args.recipe)
+    if args.against:
+        load_impl(args.against)
     extra = [a for a in args.pytest_args if a != "--"]
     argv = [str(SHIPPED_SUITE), "--fp8-impl", args.impl, "--fp8-device", args.device, "-p", "no:cacheprovider",
             *(["--fp8-against", args.against] if args.against else []),
