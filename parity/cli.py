@@ -562,7 +562,8 @@ def cmd_bisect(args) -> int:
 def cmd_train(args) -> int:
     from parity.model import ModelError
     from parity.outputs import OutputLock
-    from parity.train import TrainError, TrainPlan, run_training, write_train_report
+    from parity.train import TrainError, TrainPlan, run_training
+    from parity.train_report import write_train_report
 
     device = _device(args.device)
     out = args.out or _default_report_dir()

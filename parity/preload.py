@@ -2,8 +2,9 @@
 
 The fork server is a clean process from which every worker is forked; importing torch, the
 harness and torchao there (torchao's import alone takes seconds, its first conversion most of a
-second more) makes a fresh worker start at once, also after a worker died. torchao's import prints notes about optional CUDA kernels: it
-runs with them silenced, as in the parent (parity.impls.quiet_imports).
+second more) makes a fresh worker start at once, also after a worker died. torchao's import
+prints notes about optional CUDA kernels: it runs with them silenced, as in the parent
+(parity.impls.quiet_imports).
 """
 
 import contextlib

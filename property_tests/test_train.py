@@ -22,7 +22,8 @@ import torch
 from parity.cli import EXIT_FAIL, EXIT_USAGE, main
 from parity.data import read_case_file
 from parity.model import GPT, GPTConfig, MarkovSource, ModelError, TokenFile, get_model_config
-from parity.train import TrainError, TrainPlan, layer_step_grid, run_training, write_train_report
+from parity.train import TrainError, TrainPlan, run_training
+from parity.train_report import layer_step_grid, write_train_report
 
 FAULTS = Path(__file__).resolve().parent / "train_faults.py"
 STALE_CACHE = f"{FAULTS}:stale_weight_cache"
