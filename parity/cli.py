@@ -590,9 +590,9 @@ def cmd_train(args) -> int:
         print(f"  {line}")
     if judged.next_step:
         print(f"next: {judged.next_step}  ({judged.NEXT_STEP_WHY})")
-    per_step = result.frame.attrs["env"].get("seconds_per_step")
+    seconds_per_step = result.frame.attrs["env"].get("seconds_per_step")
     print(f"report: {out}/summary.md ({result.seconds:.1f} s"
-          + (f", {per_step:.3f} s per step" if per_step is not None else "") + ")")
+          + (f", {seconds_per_step:.3f} s per step" if seconds_per_step is not None else "") + ")")
     return EXIT_PASS if judged.ok else EXIT_FAIL
 
 

@@ -25,6 +25,8 @@ import os
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parity.contract import custom_op_kernel
+
 aten = torch.ops.aten
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -68,7 +70,6 @@ class FastScaledMM(TorchDispatchMode):
             out = _fast(**bound)
             if out is not None:
                 return out
-        from parity.contract import custom_op_kernel
         kernel = custom_op_kernel(func, args)
         if kernel is not None:  # a torch.library custom op: the _scaled_mm calls in its body run here too
             with self:

@@ -341,26 +341,22 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     scales_ok = scales is not None and _same(scales, want_scales)
     if values_ok and (scales_ok or scales is None):  # no scales to compare: the values decide
         return None
+    values_only = None  # the first mistake whose fp8 values these are, with the recipe's scales handed over
     for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
         source = sources.view(gemm, role, hypothesis.source)
         q = None if source is None or tuple(source.shape) != (rows, inner) else \
             _quantize(source, cast, recipe, hypothesis.options)
-        if q is None:
+        if q is None or not _same(values, q.values.cpu()):
             continue
-        if _same(values, q.values.cpu()) and (scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows,
-                                                                                        inner))):
+        if scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows, inner)):
             stage = "scale" if hypothesis.category == "scale" else "bytes"
             return stage, hypothesis.category, hypothesis.description
+        values_only = values_only or hypothesis
     if scales is None:
         return "scale", "scale", "its scale tensor cannot be read as the recipe's scales (see the contract rules)"
-    if scales_ok:  # the GEMM is handed the recipe's scales: were the values quantized some other way?
-        for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
-            source = sources.view(gemm, role, hypothesis.source)
-            q = None if source is None or tuple(source.shape) != (rows, inner) else \
-                _quantize(source, cast, recipe, hypothesis.options)
-            if q is not None and _same(values, q.values.cpu()):
-                return "bytes", hypothesis.category, (f"its fp8 values are those of {hypothesis.description}, while "
-                                                      f"the GEMM is handed the recipe's scales")
+    if scales_ok and values_only is not None:
+        return "bytes", values_only.category, (f"its fp8 values are those of {values_only.description}, while the "
+                                               f"GEMM is handed the recipe's scales")
     if not scales_ok:
         count, index, got, want = _first_difference(scales, want_scales)
         return "scale", "", (f"its inverse scale differs from the oracle's for {count} of {scales.numel()} elements "

@@ -709,7 +709,8 @@ def run_plain(plan: TrainPlan, roles: tuple[str, ...] = ROLES) -> dict:
 
 # ---- the verdict and the report ---------------------------------------------------------------------
 
-def _per_step(frame: pd.DataFrame) -> pd.DataFrame:
+def losses_per_step(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (step, role) of the tidy table: the loss, seed and sampling of each run's step."""
     return frame.drop_duplicates(["step", "role"])
 
 
@@ -717,11 +718,11 @@ def loss_table(result: TrainResult) -> pd.DataFrame:
     """Per run: mean loss over the last `window` steps, its relative gap to the baseline, its excess over
     the source's entropy rate (the floor; none for --data)."""
     frame, window = result.frame, result.plan.loss_window
-    per_step = _per_step(frame)
-    last = per_step[per_step["step"] >= result.plan.steps - window]
+    steps = losses_per_step(frame)
+    last = steps[steps["step"] >= result.plan.steps - window]
     mean = last.groupby("role", sort=False)["loss"].mean()
     floor = math.nan if result.source.entropy_rate is None else result.source.entropy_rate
-    records = [dict(role=role, impl=result.runs[role], seed=int(per_step[per_step["role"] == role]["seed"].iloc[0]),
+    records = [dict(role=role, impl=result.runs[role], seed=int(steps[steps["role"] == role]["seed"].iloc[0]),
                     **{f"mean loss, last {window} steps": mean[role],
                        "gap to baseline %": 100 * (mean[role] - mean["baseline"]) / mean["baseline"],
                        "excess over floor": mean[role] - floor})

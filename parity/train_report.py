@@ -18,7 +18,7 @@ import pandas as pd
 
 from parity.recipes import GEMMS, get_recipe
 from parity.report import write_report
-from parity.train import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, TrainResult, _per_step, loss_table
+from parity.train import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, TrainResult, losses_per_step, loss_table
 
 # Heatmaps write each cell's value into it while the grid is small enough to read them.
 ANNOTATE_MAX_LAYERS, ANNOTATE_MAX_STEPS = 16, 12
@@ -58,8 +58,8 @@ def numerics_table(result: TrainResult, role: str = "candidate") -> pd.DataFrame
 
 
 def curve_table(result: TrainResult) -> pd.DataFrame:
-    per_step = _per_step(result.frame)
-    sampled = per_step[per_step["sampled"]]
+    steps = losses_per_step(result.frame)
+    sampled = steps[steps["sampled"]]
     return sampled.pivot(index="step", columns="role", values="loss")[list(ROLES)].round(5).reset_index()
 
 
@@ -91,8 +91,8 @@ def plot_loss(fig, result: TrainResult) -> None:
     by step, with the seed-to-seed noise (the baseline from another seed) as a band and DeepSeek-V3's
     0.25% as lines."""
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=(3, 2)))
-    per_step = _per_step(result.frame)
-    losses = per_step.pivot_table(index="step", columns="role", values="loss")
+    steps = losses_per_step(result.frame)
+    losses = steps.pivot_table(index="step", columns="role", values="loss")
     for role in ROLES:
         if role in losses:
             top.plot(losses.index, losses[role], label=f"{role}: {result.runs[role]}", **LINE_STYLES[role])
