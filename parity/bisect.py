@@ -515,6 +515,12 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
         return STAGE_ORDER.index(f.stage) if f.stage in STAGE_ORDER else 9
     ordered = sorted(findings, key=lambda f: (f.step, _gemm_order(f.gemm), stage_rank(f)))
     explained = [f for f in ordered if f.category]
+    # a GEMM diagnosed by behaviour before the first GEMM with an explained finding comes first
+    first_match = min(matches, key=lambda m: _gemm_order(m.gemm), default=None)
+    match_step = min((v.step for v in numeric), default=0)
+    if explained and first_match is not None and not (crashes and not numeric) and \
+            (match_step, _gemm_order(first_match.gemm)) < (explained[0].step, _gemm_order(explained[0].gemm)):
+        explained = []
     if crashes and not numeric:
         if explained:  # the GEMMs that ran before the crash were already handed the wrong operands
             result.crash = dict(message=crashes[0].message, trigger=[t for t in triggers])
@@ -532,8 +538,7 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
         first = stale_finding or first
         return by_layout(first.category), first.operand
     if matches:
-        first = sorted(matches, key=lambda m: _gemm_order(m.gemm))[0]
-        return by_layout(first.category), first.operand
+        return by_layout(first_match.category), first_match.operand
     if ordered:  # differences no single mistake explains: the stage says where, the triggers what
         first = ordered[0]
         if stale:

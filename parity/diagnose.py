@@ -44,7 +44,7 @@ from parity.contract import ScaledMMCall
 from parity.data import StepData, materialize
 from parity.metrics import compare
 from parity.oracles import Quantized
-from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe
+from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe, Scaling
 
 FP8_MAX_OF = {"e4m3": 448.0, "e5m2": 57344.0}
 MATCH_DB = 45.0  # a hypothesis "matches" results above this SQNR: quantization-level bugs sit near 25-30 dB
@@ -83,6 +83,11 @@ class Hypothesis:
     options: dict = field(default_factory=dict)
     source: str = "same"  # same | transposed | reshaped | previous | strides_ignored
 
+    @property
+    def keeps_high_precision(self) -> bool:
+        """The operand is not cast to fp8 at all (a recorded call shows that by its dtype)."""
+        return "cast" in self.options and self.options["cast"].fp8 is None
+
 
 def _regions(rows: int, inner: int) -> list[tuple[str, tuple[int, int]]]:
     regions = [("the whole operand", (rows, inner)), ("each row along the inner dim", (1, inner)),
@@ -103,6 +108,8 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
     hypotheses = [
         Hypothesis("fp8_dtype", f"cast to {other} instead of {cast.fp8}", {"cast": Cast(cast.scaling, other)}),
 
+        Hypothesis("precision", f"the operand used in high precision where the recipe casts it to {cast.fp8}",
+                   {"cast": Cast(Scaling.NONE, None)}),
         Hypothesis("scale", "amax = max(x) instead of max(|x|)", {"absolute_amax": False}),
         *(Hypothesis("precision", f"the operand rounded to {name} before its cast", {"source_dtype": dtype})
           for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16))),
@@ -115,12 +122,16 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
           for eps in (1e-4, 1e-6, 1e-8, 1e-10)),
         *(Hypothesis("scale", f"amax over {region} instead of {_region_name(own_tile, rows, inner)}",
                      {"tile": tile}) for region, tile in _regions(rows, inner) if tile != own_tile),
+        *([Hypothesis("scale", "every group scaled by the first group's amax (a scale indexed [0] and broadcast)",
+                      {"first_amax": True})] if own_tile != (rows, inner) else []),
         Hypothesis("transpose", "the operand transposed (read the other way round)", source="transposed"),
         Hypothesis("transpose", "the operand reinterpreted with reshape instead of a transpose", source="reshaped"),
         Hypothesis("stale_state", "the operand of the previous call (a stale cache)", source="previous"),
         *(Hypothesis(category, description, {"grid": grid}) for category, grid, description in (
             ("transpose", "transposed", "its grid of scales transposed"),
             ("transpose", "reshaped", "its grid of scales reinterpreted with reshape instead of transposed"),
+            ("scale", "first", "the GEMM handed the first group's inverse scale for every group (the values "
+                               "quantized with their own)"),
             ("scale", "padding_first", "its scales read from a grid padded to 4 along the inner dim with the "
                                        "padding first: padding bytes consumed as scales"),
             ("scale", "padded_row_major", "its scales written row-major into a grid padded to 4 along the inner "
@@ -226,6 +237,8 @@ def _misread_grid(q: Quantized, how: str) -> Quantized | None:
         return None
     if how == "transposed":
         g = g.t()
+    elif how == "first":
+        g = g[:1, :1].expand(rows, cols)
     elif how == "reshaped":  # the grid in its transposed (GEMM) layout, reshaped instead of transposed back
         g = g.reshape(cols, rows).t()
     elif how == "padding_first":  # the inner-dim blocks padded to a multiple of 4 with ones in front
@@ -343,6 +356,8 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
         return None
     values_only = None  # the first mistake whose fp8 values these are, with the recipe's scales handed over
     for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
+        if hypothesis.keeps_high_precision:  # these values are fp8
+            continue
         source = sources.view(gemm, role, hypothesis.source)
         q = None if source is None or tuple(source.shape) != (rows, inner) else \
             _quantize(source, cast, recipe, hypothesis.options)

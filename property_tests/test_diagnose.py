@@ -108,6 +108,27 @@ USER_CODE = textwrap.dedent('''
 
     def swapped_output_contiguous(input_2d, weight):
         return _SwappedOutputGemm.apply(input_2d, weight, True)
+
+
+    def _rowwise_fake_quant(x, first_row_scale=False):
+        """Rowwise e4m3 quantize-dequantize (power-of-2 scales along the last dim) in plain torch: no
+        _scaled_mm call; the gradient passes straight through."""
+        amax = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+        amax = amax[:1].expand_as(amax) if first_row_scale else amax
+        scale = torch.exp2(torch.floor(torch.log2(448.0 / amax)))
+        fake = (x.detach().float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() / scale
+        return x.float() + (fake - x.detach().float())
+
+
+    def rowwise_weight_kept_hp(input_2d, weight):
+        """Rowwise by fake quantization, the weight never cast."""
+        return (_rowwise_fake_quant(input_2d) @ weight.float().t()).to(input_2d.dtype)
+
+
+    def rowwise_first_row_scale(input_2d, weight):
+        """Rowwise by fake quantization, every input row scaled by the first row's amax."""
+        out = _rowwise_fake_quant(input_2d, first_row_scale=True) @ _rowwise_fake_quant(weight).t()
+        return out.to(input_2d.dtype)
 ''')
 
 
@@ -126,6 +147,16 @@ def test_no_recorded_fp8_gemm_is_a_finding_of_its_own(user_file):
     result = bisect(user_file, "bf16_linear")
     assert result.category == "precision", (result.category, result.evidence)
     assert any("no _scaled_mm call was recorded" in line for line in result.evidence)
+
+
+@pytest.mark.parametrize("name, category, operand", [("rowwise_weight_kept_hp", "precision", "weight"),
+                                                      ("rowwise_first_row_scale", "scale", "input")])
+def test_an_implementation_without_scaled_mm_is_diagnosed_by_behaviour(user_file, name, category, operand):
+    """No recorded call to compare: the hypotheses are emulated end to end (an operand never cast to
+    fp8; a scale broadcast from the first row) and the nearest names the output GEMM's class."""
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:{name}", recipe="rowwise")), max_examples=30)
+    assert (result.method, result.first, result.category, result.operand) == \
+        ("behaviour", "output", category, operand), result.evidence
 
 
 def test_one_ulp_is_a_rounding_level_difference_never_a_structural_bug(user_file):
@@ -172,7 +203,7 @@ def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe
         rows, inner = sources.view("output", role, "same").shape
         for hypothesis in operand_hypotheses(cast, RECIPES[recipe], rows, inner):
             source = sources.view("output", role, hypothesis.source)
-            if source is None:
+            if source is None or hypothesis.keeps_high_precision:  # not fp8: a recorded call's dtype says it
                 continue
             from parity.diagnose import _quantize
             q = _quantize(source, cast, RECIPES[recipe], hypothesis.options)
