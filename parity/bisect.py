@@ -40,12 +40,12 @@ from parity.cases import Case, Dist, Layout
 from parity.check import CheckPlan, run_check
 from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
-from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
+from parity.diagnose import (ACCUMULATION_DB, MARGIN_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
                              explain_result, gemm_inverse_scales, high_precision_closeness,
                              strides_ignored)
 from parity.env import environment
 from parity.metrics import compare
-from parity.policy import Violation
+from parity.policy import CPU_IGNORES, Violation
 from parity.recipes import GEMMS, OPERANDS
 from parity.relations import RELATIONS, check_layout_invariance, check_relation, check_weight_update
 from parity.runner import emulated_steps_of, execute, run_case_isolated
@@ -123,8 +123,10 @@ def _outcome(plan: CheckPlan, case: Case, device: str, runner: Worker | None = N
 
 
 def _is_gpu_lint(violation: Violation) -> bool:
-    """A _scaled_mm call that would fail on an H100, seen where it runs (a CPU)."""
-    return violation.metric == "scaled_mm_contract"
+    """A _scaled_mm call that would fail on an H100, or that asks for fast accumulation where the
+    recipe does not, seen where it runs with the right numbers (a CPU)."""
+    return violation.metric == "scaled_mm_contract" or (violation.metric == "operand"
+                                                        and violation.detail == CPU_IGNORES)
 
 
 def _is_contract_only(violation: Violation) -> bool:
@@ -312,8 +314,10 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
             result.trigger.append("only on the GPU")
         elif all(_is_gpu_lint(v) for v in on_cpu.violations) and not all(_is_gpu_lint(v) for v in base.violations):
             # the CPU runs the call with the right numbers; only the contract lint (which knows the H100's
-            # rules) flags it there: what fails, crashes or computes wrong numbers, does so only on the GPU
-            result.trigger.append("only on the GPU (the CPU runs this call; there the contract lint flags it)")
+            # rules) or the recorded call's flag shows it there: the numbers differ only on the GPU
+            result.trigger.append("only on the GPU (the CPU runs this call; there the contract lint flags it)"
+                                  if any(v.metric == "scaled_mm_contract" for v in on_cpu.violations) else
+                                  "only on the GPU (the CPU ignores use_fast_accum; its recorded call shows the flag)")
     lap("on the CPU")
     return result
 
@@ -393,9 +397,11 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
         if explained is not None:
             findings.append(Finding(step_index, gemm, explained[2] if len(explained) > 2 else "result", "result",
                                     f"{explained[1]} (every recorded operand is the recipe's)", explained[0]))
-    # GEMMs of the case that made no call: by behaviour, where their results diverge
+    # GEMMs of the case that made no call: by behaviour, where their results diverge and before the first
+    # that does (a GEMM within a loose bound, the tensor cores' on a GPU, can still be nearer a mistake)
     called = {g for call in execution.calls for g in call.gemm.split("|")}
-    uncalled = [g for g in diverging if g in GEMMS and g not in called]
+    first_diverging = min((_gemm_order(g) for g in diverging if g in GEMMS), default=len(GEMMS))
+    uncalled = [g for g in GEMMS if g not in called and (g in diverging or _gemm_order(g) < first_diverging)]
     steps_done = [i for i in range(len(execution.steps))]
     step = min((v.step for v in numeric), default=0)
     got = {}
@@ -406,6 +412,10 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
     if fp8 and got:
         matches = diagnose_behaviour(got, step, host.steps, case, recipe, list(got), bias=host.bias,
                                      strided=strides_ignored(host.steps[step], case))
+        # a GEMM within the bound counts only where it is as far from the correct emulation as operand
+        # mistakes leave it, and a mistake is much nearer
+        matches = [m for m in matches if m.gemm in diverging or (m.correct_db < ACCUMULATION_DB and m.db >= MATCH_DB
+                                                                 and m.db >= m.correct_db + MARGIN_DB)]
         result.method = result.method or "behaviour"
     if fp8 and not execution.calls and got:
         hp_db, fp8_db = high_precision_closeness(got, host.steps[step], case, recipe)
@@ -446,7 +456,8 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
                                         f"grad_bias is {round(times)} times grad_output summed over the tokens: the "
                                         f"bias enters the output {round(times)} times instead of once", "contract"))
     # the GEMMs to blame: diverging tensors and GEMMs with an explained finding, in GEMM order
-    gemms = sorted(set(diverging) | {f.gemm for f in findings if f.category}, key=_gemm_order) or \
+    gemms = sorted(set(diverging) | {f.gemm for f in findings if f.category} | {m.gemm for m in matches},
+                   key=_gemm_order) or \
         sorted({f.gemm for f in findings} | {m.gemm for m in matches}, key=_gemm_order)
     if crashes and not numeric:
         gemms = _crash_gemms(crashes[0], execution, recipe)
@@ -574,8 +585,11 @@ def _evidence(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
     result.evidence += [f"{v.metric}: {v.full_message}" for v in outcome.violations[:6]
                         if v.metric not in ("scaled_mm_contract", "operand")]
     result.evidence += [f"stage {f.stage}: {f}" for f in findings[:8]]
+    diverging = {v.tensor for v in outcome.numeric}
     result.evidence += [f"behaviour: {m.gemm}: matches the exact emulation with {m.description} ({m.db:.1f} dB; "
-                        f"the correct emulation: {m.correct_db:.1f} dB)" for m in matches]
+                        f"the correct emulation: {m.correct_db:.1f} dB)" + ("" if m.gemm in diverging else
+                        "; its result is within the accumulation bound here, yet nearer this mistake")
+                        for m in matches]
     if result.crash:
         result.evidence.append(f"crash: {result.crash['message']} "
                                f"({'; '.join(result.crash['trigger']) or 'on the minimal case'})")

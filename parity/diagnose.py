@@ -42,7 +42,7 @@ from parity import oracles
 from parity.cases import Case, Layout
 from parity.contract import ScaledMMCall
 from parity.data import StepData, materialize
-from parity.metrics import compare
+from parity.metrics import compare, sqnr_db
 from parity.oracles import Quantized
 from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe, Scaling
 
@@ -101,6 +101,23 @@ def _regions(rows: int, inner: int) -> list[tuple[str, tuple[int, int]]]:
     return regions
 
 
+# Where an operand's values come from, whatever its cast: the same mistakes for fp8 and high-precision operands
+MOVED = {source: Hypothesis(category, description, source=source) for source, category, description in (
+    ("transposed", "transpose", "the operand transposed (read the other way round)"),
+    ("reshaped", "transpose", "the operand reinterpreted with reshape instead of a transpose"),
+    ("previous", "stale_state", "the operand of the previous call (a stale cache)"),
+    ("strides_ignored", "layout", "the operand read as if contiguous from non-contiguous memory"),
+    ("leading_swapped", "transpose", "its tokens flattened from the leading dims in the wrong order (dims swapped "
+                                     "before the reshape)"))}
+NARROWER = (("bfloat16", torch.bfloat16), ("float16", torch.float16))
+
+
+def high_precision_hypotheses() -> list[Hypothesis]:
+    """Every mistake tried on an operand a GEMM takes in high precision (no fp8 cast)."""
+    return [*(Hypothesis("precision", f"the operand rounded to {name} before the GEMM", {"source_dtype": dtype})
+              for name, dtype in NARROWER), *MOVED.values()]
+
+
 def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> list[Hypothesis]:
     """Every mistake tried on an operand cast with `cast` under `recipe`, laid out [rows, inner]."""
     other = "e5m2" if cast.fp8 == "e4m3" else "e4m3"
@@ -112,7 +129,7 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
                    {"cast": Cast(Scaling.NONE, None)}),
         Hypothesis("scale", "amax = max(x) instead of max(|x|)", {"absolute_amax": False}),
         *(Hypothesis("precision", f"the operand rounded to {name} before its cast", {"source_dtype": dtype})
-          for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16))),
+          for name, dtype in NARROWER),
         Hypothesis("scale", "its scale rounded to bfloat16", {"scale_dtype": torch.bfloat16}),
         Hypothesis("scale", "the GEMM handed its scale instead of the inverse", {"inverse_scale": False}),
         Hypothesis("scale", "scales not rounded down to a power of two" if recipe.pow2_scales else
@@ -124,9 +141,7 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
                      {"tile": tile}) for region, tile in _regions(rows, inner) if tile != own_tile),
         *([Hypothesis("scale", "every group scaled by the first group's amax (a scale indexed [0] and broadcast)",
                       {"first_amax": True})] if own_tile != (rows, inner) else []),
-        Hypothesis("transpose", "the operand transposed (read the other way round)", source="transposed"),
-        Hypothesis("transpose", "the operand reinterpreted with reshape instead of a transpose", source="reshaped"),
-        Hypothesis("stale_state", "the operand of the previous call (a stale cache)", source="previous"),
+        MOVED["transposed"], MOVED["reshaped"], MOVED["previous"],
         *(Hypothesis(category, description, {"grid": grid}) for category, grid, description in (
             ("transpose", "transposed", "its grid of scales transposed"),
             ("transpose", "reshaped", "its grid of scales reinterpreted with reshape instead of transposed"),
@@ -139,10 +154,7 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
                                           "consumed"))),
         *(Hypothesis("saturation", f"clipped at {k} times its RMS before the cast", {"clip_rms": float(k)})
           for k in (2, 3, 4, 6, 8, 10, 16)),
-        Hypothesis("layout", "the operand read as if contiguous from non-contiguous memory",
-                   source="strides_ignored"),
-        Hypothesis("transpose", "its tokens flattened from the leading dims in the wrong order (dims swapped "
-                                "before the reshape)", source="leading_swapped"),
+        MOVED["strides_ignored"], MOVED["leading_swapped"],
     ]
     hypotheses.append(Hypothesis("saturation", f"clamped to +-{FP8_MAX_OF[cast.fp8]:g} (the fp8 max) before it is "
                                                f"scaled", {"clip_abs": FP8_MAX_OF[cast.fp8]}))
@@ -563,8 +575,8 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
     def with_bias(value: torch.Tensor, times: int = 1) -> torch.Tensor:
         return value if b is None else value + times * b
 
-    def close(value: torch.Tensor) -> bool:
-        return value.shape == got64.shape and compare(got64, value)["sqnr_db"] >= MATCH_DB
+    def close(value: torch.Tensor) -> bool:  # the same NaN and Inf, the rest within MATCH_DB
+        return value.shape == got64.shape and _closeness(got64, value) >= MATCH_DB
     ratio = float((got64.nan_to_num() * exact).sum() / (exact * exact).sum()) if exact.abs().sum() > 0 else 1.0
     for category, operand, message, value in _epilogue_mistakes(exact, scales, recipe.gemm(tensor).operands
                                                                  if tensor in GEMMS else ("A", "B")):
@@ -633,7 +645,7 @@ def _closeness(got: torch.Tensor, want: torch.Tensor) -> float:
                                                              want[want_bad].nan_to_num(nan=0.0)):
         return -math.inf
     keep = ~got_bad
-    return compare(got[keep], want[keep])["sqnr_db"] if bool(keep.any()) else math.inf
+    return sqnr_db(got[keep], want[keep]) if bool(keep.any()) else math.inf
 
 
 def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Sequence[StepData], case: Case,
@@ -675,10 +687,27 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                         scored.append((closeness(value), operand, "precision",
                                        f"{operand} taken from its {cast.fp8} copy where the recipe computes this "
                                        f"GEMM in high precision"))
+            # its high-precision operands taken from elsewhere, or rounded to a narrower dtype first
+            not_cast = Cast(Scaling.NONE, None)
+            for role, operand in (("a", spec.operands[0]), ("b", spec.operands[1])):
+                for hypothesis in high_precision_hypotheses():
+                    source = sources.view(gemm_name, role, hypothesis.source)
+                    q = None if source is None or source.shape != (a_hp if role == "a" else b_hp).shape else \
+                        _quantize(source, not_cast, recipe, hypothesis.options)
+                    if q is not None:
+                        value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
+                        scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))
+            # the whole GEMM in a narrower dtype than the recipe's: both operands and the result rounded to it
+            chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(case, gemm_name, recipe))
+            for name, dtype in NARROWER:
+                narrow = [_quantize(hp, not_cast, recipe, {"source_dtype": dtype}) for hp in (a_hp, b_hp)]
+                if any(q is not None for q in narrow):
+                    value = oracles.gemm(narrow[0] or qa, narrow[1] or qb).to(dtype).to(torch.float64)
+                    scored.append((closeness(value), "result", "precision", f"computed in {name} (operands and "
+                                   f"result) where the recipe's result is rounded to {chain} only"))
             # computed in a wider precision than the recipe's: nearer the exact product than its roundings allow
             wider = _closeness(target.cpu(), correct_value.reshape(target.shape).to(target.dtype).cpu()) \
                 if bias is None or gemm_name != "output" else -math.inf
-            chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(case, gemm_name, recipe))
             scored.append((wider, "result", "precision", f"computed in {str(target.dtype).replace('torch.', '')} "
                            f"without the recipe's rounding to {chain}"))
         else:
@@ -712,7 +741,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
         if not scored:
             continue
         best = max(scored, key=lambda s: s[0])
-        if best[0] >= MATCH_DB and best[0] >= correct_db + MARGIN_DB:
+        if best[0] >= MATCH_DB and best[0] >= correct_db + MARGIN_DB and correct_db < math.inf:
             out.append(Match(gemm_name, best[1], best[2], best[3], best[0], correct_db))
         elif correct_db >= ACCUMULATION_DB:  # the operands must be right: only the sums differ
             out.append(Match(gemm_name, "result", "accumulation", f"the exact result summed or rounded less "

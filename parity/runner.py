@@ -251,7 +251,7 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
         for problem in sm90_violations(call):
             for gemm in call.gemm.split("|"):
                 gemm_problems.setdefault(gemm, []).append(f"{call.gemm} GEMM: {problem}")
-    emulated_steps, operand_problems = None, {}
+    emulated_steps, operand_problems, operand_stages = None, {}, {}
     recipe = reference.impl.recipe
     if reference.impl.exact and not (candidate.error or reference.error):
         host = candidate.steps and candidate.steps[0]["output"].device.type == "cpu"
@@ -260,6 +260,7 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
         if candidate.impl.recipe is recipe:
             for finding in call_findings(candidate.calls, data.steps, recipe, case):
                 operand_problems.setdefault((finding.step, finding.gemm), []).append(str(finding))
+                operand_stages.setdefault((finding.step, finding.gemm), set()).add(finding.stage)
     rows = []
     for step_index in range(case.steps):
         for tensor in case.tensors:
@@ -268,6 +269,7 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
             row.update(bitwise=False, error=None, reference_error=None, contract="", skipped=None,
                        scaled_mm="; ".join(gemm_problems.get(tensor, [])),
                        operands="; ".join(operand_problems.get((step_index, tensor), [])),
+                       operand_stages=",".join(sorted(operand_stages.get((step_index, tensor), ()))),
                        bound_ratio=math.nan, n_beyond_bound=math.nan, bound_index=None)
             rows.append(row)
             if candidate.error or reference.error or step_index >= len(candidate.steps):

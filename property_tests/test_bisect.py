@@ -52,6 +52,17 @@ def test_check_kills_every_recipe_mutant(mutant):
     assert set(mutant.gemms) <= {v.tensor for v in result.violations}, [v.full_message for v in result.violations]
 
 
+def test_a_fast_accumulation_flag_is_all_a_cpu_can_show():
+    """A CPU ignores use_fast_accum: asked for where the recipe does not, the flag in the recorded call
+    is the only failure there, marked as one the GPU's numbers show (bisect on a GPU then names the
+    trigger "only on the GPU")."""
+    from parity.bisect import _is_gpu_lint
+    mutant = next(m for m in MUTANTS if m.name == "grad_input_fast_accum")
+    result = run_check(plan_for(mutant), max_examples=10)
+    assert result.verdict == "fail" and result.violations
+    assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
+
+
 def test_zoo_covers_every_bug_class():
     classes = {"transpose", "layout", "scale", "fp8_dtype", "saturation", "accumulation", "contract", "stale_state",
                "crash"}

@@ -125,6 +125,46 @@ USER_CODE = textwrap.dedent('''
         return (_rowwise_fake_quant(input_2d) @ weight.float().t()).to(input_2d.dtype)
 
 
+    class _GradWeightInBf16(torch.autograd.Function):
+        """rowwise_with_gw_hp through fp8_impl, but the high-precision grad_weight GEMM always in bf16."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight):
+            from fp8_impl import Float8LinearConfig, float8_matmul
+            ctx.save_for_backward(input_2d, weight)
+            with torch.enable_grad():
+                ctx.detached = input_2d.detach().requires_grad_(), weight.detach().requires_grad_()
+                ctx.out = float8_matmul(*ctx.detached,
+                                        config=Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp"))
+            return ctx.out.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad_input, = torch.autograd.grad(ctx.out, ctx.detached[0], grad)
+            input_2d, weight = ctx.saved_tensors
+            grad_weight = (grad.to(torch.bfloat16).t() @ input_2d.to(torch.bfloat16)).to(weight.dtype)
+            return grad_input, grad_weight
+
+
+    def gw_hp_grad_weight_in_bf16(input_2d, weight):
+        return _GradWeightInBf16.apply(input_2d, weight)
+
+
+    def _block_fake_quant(x, rows, cols, fp8=torch.float8_e4m3fn):
+        """Quantize-dequantize [R, C] in rows x cols blocks, e4m3 scales (448 / amax); straight-through gradient."""
+        R, C = x.shape
+        v = x.detach().double().reshape(R // rows, rows, C // cols, cols)
+        scale = (448.0 / v.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)).float().double()
+        fake = ((v * scale).float().clamp(-448, 448).to(fp8).double() / scale).reshape(R, C).float()
+        return x.float() + (fake - x.detach().float())
+
+
+    def blockwise_weight_e5m2(input_2d, weight):
+        """Blockwise by fake quantization, the weight's 128x128 blocks cast to e5m2 with e4m3 scales."""
+        out = _block_fake_quant(input_2d, 1, 128) @ _block_fake_quant(weight, 128, 128, torch.float8_e5m2).t()
+        return out.to(input_2d.dtype)
+
+
     def rowwise_first_row_scale(input_2d, weight):
         """Rowwise by fake quantization, every input row scaled by the first row's amax."""
         out = _rowwise_fake_quant(input_2d, first_row_scale=True) @ _rowwise_fake_quant(weight).t()
@@ -157,6 +197,43 @@ def test_an_implementation_without_scaled_mm_is_diagnosed_by_behaviour(user_file
     result = localize(CheckPlan.make(load_impl(f"{user_file}:{name}", recipe="rowwise")), max_examples=30)
     assert (result.method, result.first, result.category, result.operand) == \
         ("behaviour", "output", category, operand), result.evidence
+
+
+def test_a_gemm_inside_a_loose_bound_yet_near_a_mistake_is_named_first(user_file, monkeypatch):
+    """On a GPU the accumulation bound is the tensor cores' (14-bit partial sums), loose at small K: a
+    weight cast to e5m2 can stay inside it in the output GEMM and exceed it first in grad_input. The
+    output GEMM, far nearer the mistake than the correct emulation, is named first (the H200's bound,
+    applied on the CPU in this process)."""
+    accumulation_gamma = oracles.accumulation_gamma
+    monkeypatch.setattr(oracles, "accumulation_gamma", lambda inner_dim, *, device_type, fast_accum:
+                        accumulation_gamma(inner_dim, device_type="cuda", fast_accum=fast_accum))
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:blockwise_weight_e5m2", recipe="blockwise")),
+                      max_examples=30, isolate=False)
+    assert (result.first, result.category, result.operand) == ("output", "fp8_dtype", "weight"), result.evidence
+    assert any("within the accumulation bound here" in line for line in result.evidence), result.evidence
+
+
+def test_a_high_precision_gemm_run_in_bf16_is_precision(user_file):
+    """rowwise_with_gw_hp keeps grad_weight in the input's precision: in bf16 for fp32 training, its operands
+    and result rounded to bf16, it is a GEMM in another precision, not an accumulation difference."""
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:gw_hp_grad_weight_in_bf16",
+                                               recipe="rowwise_with_gw_hp")), max_examples=30)
+    assert (result.first, result.category) == ("grad_weight", "precision"), result.evidence
+    assert any("fp32 input" in trigger for trigger in result.trigger), result.trigger
+
+
+def test_an_intermediate_overflow_is_saturation_not_a_misapplied_scale():
+    """A result whose finite elements are right and whose Inf sit where the exact result is finite: no
+    rescaling hypothesis may explain it by its finite part alone (the Inf must match too)."""
+    from parity.diagnose import explain_result
+    case = Case(lead=(32,), K=16, N=16, input_dtype="fp16")
+    exact = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got = exact.to(torch.float16)
+    got[::3, ::2] = float("inf")
+    category, message, *_ = explain_result(got, exact, case, "grad_input", RECIPES["rowwise"],
+                                           scales=(torch.full((32, 1), 2.0 ** -6, dtype=torch.float64),
+                                                   torch.full((1, 16), 2.0 ** -7, dtype=torch.float64)))
+    assert category == "saturation", message
 
 
 def test_one_ulp_is_a_rounding_level_difference_never_a_structural_bug(user_file):
