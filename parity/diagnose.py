@@ -672,6 +672,18 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
         correct_value = oracles.gemm(qa, qb)
         correct_db = closeness(correct_value)
         scored: list[tuple[float, str, str, str]] = []
+
+        def score_mistakes(role: str, operand: str, cast: Cast, hypotheses: Sequence[Hypothesis],
+                           gemm_name=gemm_name, a_hp=a_hp, b_hp=b_hp, qa=qa, qb=qb, scored=scored, closeness=closeness):
+            """Each mistake on one operand, the other as the recipe casts it: how near the result it comes."""
+            shape = (a_hp if role == "a" else b_hp).shape
+            for hypothesis in hypotheses:
+                source = sources.view(gemm_name, role, hypothesis.source)
+                q = None if source is None or source.shape != shape else \
+                    _quantize(source, cast, recipe, hypothesis.options)
+                if q is not None:
+                    value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
+                    scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))
         if spec.high_precision:  # an operand taken from an fp8 copy where the recipe keeps it in high precision
             for role, operand in (("a", spec.operands[0]), ("b", spec.operands[1])):
                 for cast in {c for _, c in recipe.casts_of(operand) if c.fp8 is not None}:
@@ -690,13 +702,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
             # its high-precision operands taken from elsewhere, or rounded to a narrower dtype first
             not_cast = Cast(Scaling.NONE, None)
             for role, operand in (("a", spec.operands[0]), ("b", spec.operands[1])):
-                for hypothesis in high_precision_hypotheses():
-                    source = sources.view(gemm_name, role, hypothesis.source)
-                    q = None if source is None or source.shape != (a_hp if role == "a" else b_hp).shape else \
-                        _quantize(source, not_cast, recipe, hypothesis.options)
-                    if q is not None:
-                        value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
-                        scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))
+                score_mistakes(role, operand, not_cast, high_precision_hypotheses())
             # the whole GEMM in a narrower dtype than the recipe's: both operands and the result rounded to it
             chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(case, gemm_name, recipe))
             for name, dtype in NARROWER:
@@ -712,16 +718,8 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                            f"without the recipe's rounding to {chain}"))
         else:
             for role, operand, cast in (("a", spec.operands[0], spec.a), ("b", spec.operands[1], spec.b)):
-                rows, inner = (a_hp if role == "a" else b_hp).shape
-                for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
-                    source = sources.view(gemm_name, role, hypothesis.source)
-                    if source is None or tuple(source.shape) != (rows, inner):
-                        continue
-                    q = _quantize(source, cast, recipe, hypothesis.options)
-                    if q is None:
-                        continue
-                    value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
-                    scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))
+                score_mistakes(role, operand, cast, operand_hypotheses(cast, recipe, *(a_hp if role == "a"
+                                                                                      else b_hp).shape))
             # one cast routine shared by both operands: the same mistake in both
             of_b = {h.description: h for h in operand_hypotheses(spec.b, recipe, *b_hp.shape)}
             for hypothesis in operand_hypotheses(spec.a, recipe, *a_hp.shape):
