@@ -61,6 +61,9 @@ def test_a_fast_accumulation_flag_is_all_a_cpu_can_show():
     result = run_check(plan_for(mutant), max_examples=10)
     assert result.verdict == "fail" and result.violations
     assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
+    # the same rows from a GPU: there the flag is a finding like any other (its numbers may differ)
+    on_gpu = plan_for(mutant).judge([{**row, "device": "cuda"} for row in result.rows])
+    assert on_gpu and not any(_is_gpu_lint(v) for v in on_gpu), [v.full_message for v in on_gpu]
 
 
 def test_zoo_covers_every_bug_class():
