@@ -48,7 +48,8 @@ from parity.env import environment
 from parity.metrics import compare
 from parity.policy import CPU_IGNORES, Violation
 from parity.recipes import GEMMS, OPERANDS
-from parity.relations import RELATIONS, check_layout_invariance, check_relation, check_weight_update
+from parity.relations import (RELATIONS, check_layout_invariance, check_relation, check_weight_update,
+                              missing_tensors)
 from parity.runner import emulated_steps_of, execute, run_case_isolated
 from parity.worker import Died, Worker, WorkerError, default_time_limit, isolation
 
@@ -246,6 +247,15 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
         elif base.crashed and not outcome.crashed:
             crash_triggers.append(label)
             running.append((flipped, outcome))
+    if base.crashed:  # an axis that does not follow a .t() raises unless two dims are equal, and is wrong there
+        kn, mk = max(case.K, case.N), max(case.M, case.K)  # the larger: more than one scale block along each
+        square = [("only when K != N", case.replace(K=kn, N=kn))] + \
+                 ([("only when M != K", case.replace(lead=(mk,), K=mk))] if len(case.lead) == 1 else [])
+        for label, flipped in square:
+            outcome = outcome_of(flipped, device) if flipped != case else None
+            if outcome is not None and outcome.fails and not outcome.crashed:
+                crash_triggers.append(label)
+                running.append((flipped, outcome))
     _more_distributions(result, plan, case, device, outcome_of)
     numeric_case, numeric = case, base
     diagnosis_runner = runner
@@ -502,8 +512,12 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
 
 
 def _crash_gemms(crash: Violation, execution, recipe) -> list[str]:
-    """The GEMM a crash happened in: the forward's; in the backward, the first backward GEMM that
-    made no recorded call (the calls made before the crash are the GEMMs that ran)."""
+    """The GEMM a crash happened in: that of a call the kernel rejected; else the forward's; in the
+    backward, the first backward GEMM that made no recorded call (the calls made before the crash
+    are the GEMMs that ran)."""
+    rejected = [g for call in execution.calls if call.raised for g in call.gemm.split("|") if g in GEMMS]
+    if rejected:  # the kernel raised on this call
+        return rejected[:1]
     where = str(crash.value)
     if ": forward:" in where or "building" in where:
         return ["output"]
@@ -557,7 +571,10 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
             (match_step, _gemm_order(first_match.gemm)) < (explained[0].step, _gemm_order(explained[0].gemm)):
         explained = []
     if crashes and not numeric:
-        if explained:  # the GEMMs that ran before the crash were already handed the wrong operands
+        # the GEMMs that ran before the crash were already handed the wrong operands (not the call that raised)
+        rejected = {(call.step, gemm) for call in execution.calls if call.raised for gemm in call.gemm.split("|")}
+        explained = [f for f in explained if (f.step, f.gemm) not in rejected]
+        if explained:
             result.crash = dict(message=crashes[0].message, trigger=[t for t in triggers])
             result.gemm = sorted({f.gemm for f in explained}, key=_gemm_order)
             result.first = result.gemm[0]
@@ -621,7 +638,10 @@ def _evidence(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
     result.evidence += _call_differences(execution.calls, reference_run.calls, plan.reference.name)
     result.evidence += [f"recorded call: {call.describe()}" for call in execution.calls
                         if set(call.gemm.split("|")) & set(result.gemm)][:6]
-    if execution.error:
+    missing = missing_tensors(execution, case)
+    if missing:
+        result.evidence.append(f"relations not checked: {missing}")
+    if execution.error or missing:
         return
     for relation in RELATIONS:
         if relation.applies(case):

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,6 +88,7 @@ class ScaledMMCall:
     scale_strides: tuple = ((), ())
     step: int = 0
     data: CallData | None = field(default=None, compare=False, repr=False)
+    raised: bool = False  # the kernel rejected the call: no result came of it
 
     def describe(self) -> str:
         def operand(name, shape, stride, dtype):
@@ -161,6 +162,12 @@ class ScaledMMRecorder(TorchDispatchMode):
             return NotImplemented
         if func in _V1_OPS or func in _V2_OPS:
             self.calls.append(self._record(func in _V2_OPS, args, kwargs))
+            index = len(self.calls) - 1
+            try:
+                return func(*args, **kwargs)
+            except BaseException:
+                self.calls[index] = replace(self.calls[index], raised=True)
+                raise
         kernel = custom_op_kernel(func, args)
         if kernel is not None:  # a torch.library custom op: its body runs here, its calls come through this mode
             with self:

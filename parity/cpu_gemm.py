@@ -46,6 +46,8 @@ def _fast(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, 
     rowwise = tuple(scale_a.shape) == (M, 1) and tuple(scale_b.shape) == (1, N)
     if not (tensorwise or rowwise) or a.shape[1] != b.shape[0]:
         return None
+    if rowwise and (scale_a.stride(1) != 1 or scale_b.stride(1) != 1):
+        return None  # torch's kernel rejects these scales ("expected scale_a.stride(1) to be 1"): let it say so
     # In the GPU contract's layout whatever strides the call came with: the CPU matmul's summation
     # order follows the operands' memory layout, so two implementations passing the same values with
     # other (valid) strides would differ in the last bit on a CPU and not on a GPU.

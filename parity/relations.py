@@ -200,11 +200,17 @@ def check_relation_named(name: str, impl: Impl, data: CaseData) -> RelationResul
     return check_relation(BY_NAME[name], impl, data)
 
 
+def missing_tensors(execution: Execution, case) -> str | None:
+    """Why the relations cannot be compared when a tensor of the case is missing (no gradient returned)."""
+    missing = sorted({tensor for step in execution.steps for tensor in case.tensors if step.get(tensor) is None})
+    return f"no {', '.join(missing)} returned: nothing to compare" if missing else None
+
+
 def check_relation(relation: Relation, impl: Impl, data: CaseData, *, base: Execution | None = None) -> RelationResult:
     """Run `impl` on `data` and on `relation.transform(data)`; compare with `relation.expect`."""
     base = base or execute(impl, data)
     transformed = execute(impl, relation.transform(data))
-    error = base.error or transformed.error
+    error = base.error or transformed.error or missing_tensors(base, data.case)
     if error:
         return RelationResult(relation.name, False, [], error)
     expected = relation.expect(base.steps, data)
@@ -226,8 +232,9 @@ def check_layout_invariance(impl: Impl, data: CaseData, layouts: tuple[Layout, L
     base = base or execute(impl, data)
     case = replace(data.case, input_layout=layouts[0], weight_layout=layouts[1], grad_output_layout=layouts[2])
     other = execute(impl, CaseData(case, data.steps, data.bias))
-    if base.error or other.error:
-        return RelationResult("layout", False, [], base.error or other.error)
+    error = base.error or other.error or missing_tensors(base, case)
+    if error:
+        return RelationResult("layout", False, [], error)
     # grad_bias is PyTorch's column sum of grad_output, whose order follows grad_output's strides
     # (nn.Linear's too): it is compared within the accumulation bound, everything else bitwise.
     emulated = [oracles.emulate_linear(s.input, s.weight, s.grad_output) for s in data.steps] if case.bias else None

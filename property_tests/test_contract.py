@@ -197,3 +197,23 @@ def test_no_module_names_a_recipe_outside_the_recipe_definitions():
         found += [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
                   if isinstance(node, ast.Constant) and node.value in FP8_RECIPES and id(node) not in docstrings]
     assert not found, found
+
+
+def test_a_call_the_kernel_rejects_raises_and_is_recorded_as_rejected():
+    """The harness's fast CPU kernel rejects what torch's rejects (row scales whose last stride is not 1:
+    a transposed view), so an implementation crashes under test as it would without the harness; the
+    recorder marks that call, so bisect names its GEMM as the crash's."""
+    from parity import cpu_gemm
+    M, K, N = 32, 48, 16
+    a = torch.randn(M, K).to(torch.float8_e4m3fn)
+    b = torch.randn(N, K).to(torch.float8_e4m3fn).t()
+    scale_a, scale_b = torch.rand(1, M).t(), torch.rand(1, N)  # [M, 1] with strides (1, M)
+    recorder = ScaledMMRecorder(M, K, N)
+    with pytest.raises((RuntimeError, ValueError), match="stride"), cpu_gemm.FastScaledMM(), recorder:
+        torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    assert [call.raised for call in recorder.calls] == [True]
+    recorder = ScaledMMRecorder(M, K, N)
+    with cpu_gemm.FastScaledMM(), recorder:  # the same call with contiguous row scales runs
+        torch._scaled_mm(a, b, scale_a=scale_a.flatten().clone().reshape(M, 1), scale_b=scale_b,
+                         out_dtype=torch.bfloat16)
+    assert [call.raised for call in recorder.calls] == [False]

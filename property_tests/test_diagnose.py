@@ -150,6 +150,46 @@ USER_CODE = textwrap.dedent('''
         return _GradWeightInBf16.apply(input_2d, weight)
 
 
+    class _NoWeightGrad(_GradWeightInBf16):
+        @staticmethod
+        def backward(ctx, grad):
+            return _GradWeightInBf16.backward(ctx, grad)[0], None
+
+
+    def no_weight_grad(input_2d, weight):
+        """Returns no gradient for the weight."""
+        return _NoWeightGrad.apply(input_2d, weight)
+
+
+    class _WeightReadTransposed(torch.autograd.Function):
+        """Tensorwise; grad_input's GEMM takes the weight the other way round ([K, N] where it needs
+        [N, K]): it raises unless K == N, and is wrong there."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight):
+            from fp8_impl.matmul import to_float8
+            ctx.save_for_backward(input_2d, weight)
+            x, sx = to_float8(input_2d, torch.float8_e4m3fn)
+            w, sw = to_float8(weight, torch.float8_e4m3fn)
+            return torch._scaled_mm(x, w.t(), scale_a=sx, scale_b=sw, out_dtype=input_2d.dtype, use_fast_accum=True)
+
+        @staticmethod
+        def backward(ctx, grad):
+            from fp8_impl.matmul import to_float8
+            input_2d, weight = ctx.saved_tensors
+            g, sg = to_float8(grad, torch.float8_e5m2)
+            w, sw = to_float8(weight, torch.float8_e4m3fn)
+            x, sx = to_float8(input_2d, torch.float8_e4m3fn)
+            grad_input = torch._scaled_mm(g, w.t(), scale_a=sg, scale_b=sw, out_dtype=grad.dtype)
+            grad_weight = torch._scaled_mm(g.t().contiguous(), x.t().contiguous().t(), scale_a=sg, scale_b=sx,
+                                           out_dtype=grad.dtype)
+            return grad_input, grad_weight.to(weight.dtype)
+
+
+    def weight_read_transposed(input_2d, weight):
+        return _WeightReadTransposed.apply(input_2d, weight)
+
+
     def _block_fake_quant(x, rows, cols, fp8=torch.float8_e4m3fn):
         """Quantize-dequantize [R, C] in rows x cols blocks, e4m3 scales (448 / amax); straight-through gradient."""
         R, C = x.shape
@@ -211,6 +251,22 @@ def test_a_gemm_inside_a_loose_bound_yet_near_a_mistake_is_named_first(user_file
                       max_examples=30, isolate=False)
     assert (result.first, result.category, result.operand) == ("output", "fp8_dtype", "weight"), result.evidence
     assert any("within the accumulation bound here" in line for line in result.evidence), result.evidence
+
+
+def test_a_missing_gradient_is_a_contract_finding_not_a_harness_error(user_file):
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:no_weight_grad", recipe="rowwise_with_gw_hp")),
+                      max_examples=30)
+    assert (result.first, result.category) == ("grad_weight", "contract"), result.evidence
+    assert not any("could not finish" in line for line in result.evidence), result.evidence
+
+
+def test_a_crash_unless_two_dims_are_equal_is_diagnosed_where_it_runs(user_file):
+    """Raises when K != N and computes wrong numbers when K == N: the numbers name the class, the crash
+    is reported beside them with its own trigger."""
+    result = bisect(user_file, "weight_read_transposed", case=Case(lead=(32,), K=16, N=48))  # raises here
+    assert (result.first, result.category, result.operand) == ("grad_input", "transpose", "weight"), \
+        (result.category, result.evidence)
+    assert result.crash and "only when K != N" in result.crash["trigger"], result.crash
 
 
 def test_a_high_precision_gemm_run_in_bf16_is_precision(user_file):
