@@ -511,13 +511,19 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
     _evidence(result, plan, case, outcome, findings, matches, execution, data)
 
 
+def _rejected(execution) -> set[tuple[int, str]]:
+    """(step, GEMM) of each recorded call the kernel raised on."""
+    return {(call.step, gemm) for call in execution.calls if call.raised for gemm in call.gemm.split("|")
+            if gemm in GEMMS}
+
+
 def _crash_gemms(crash: Violation, execution, recipe) -> list[str]:
     """The GEMM a crash happened in: that of a call the kernel rejected; else the forward's; in the
     backward, the first backward GEMM that made no recorded call (the calls made before the crash
     are the GEMMs that ran)."""
-    rejected = [g for call in execution.calls if call.raised for g in call.gemm.split("|") if g in GEMMS]
+    rejected = sorted(_rejected(execution), key=lambda key: (key[0], _gemm_order(key[1])))
     if rejected:  # the kernel raised on this call
-        return rejected[:1]
+        return [rejected[0][1]]
     where = str(crash.value)
     if ": forward:" in where or "building" in where:
         return ["output"]
@@ -572,8 +578,7 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
         explained = []
     if crashes and not numeric:
         # the GEMMs that ran before the crash were already handed the wrong operands (not the call that raised)
-        rejected = {(call.step, gemm) for call in execution.calls if call.raised for gemm in call.gemm.split("|")}
-        explained = [f for f in explained if (f.step, f.gemm) not in rejected]
+        explained = [f for f in explained if (f.step, f.gemm) not in _rejected(execution)]
         if explained:
             result.crash = dict(message=crashes[0].message, trigger=[t for t in triggers])
             result.gemm = sorted({f.gemm for f in explained}, key=_gemm_order)
