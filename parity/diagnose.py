@@ -131,6 +131,9 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
         *(Hypothesis("precision", f"the operand rounded to {name} before its cast", {"source_dtype": dtype})
           for name, dtype in NARROWER),
         Hypothesis("scale", "its scale rounded to bfloat16", {"scale_dtype": torch.bfloat16}),
+        Hypothesis("scale", "its scale computed as fp8_max * (1 / amax) in float32 (a Python number divided by a "
+                            "float32 tensor: two roundings, one ulp off the exact scale in about a quarter of the "
+                            "groups; compute it in float64 and round once, as torchao does)", {"via_reciprocal": True}),
         Hypothesis("scale", "the GEMM handed its scale instead of the inverse", {"inverse_scale": False}),
         Hypothesis("scale", "scales not rounded down to a power of two" if recipe.pow2_scales else
                    "scales rounded down to a power of two", {"pow2": not recipe.pow2_scales}),

@@ -82,7 +82,7 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
              clamp_max: float | None = None, inverse_scale: bool = True,
              tile: tuple[int, int] | None = None, eps: float = EPS,
              value_clamp: float | None = None, fp8_format: torch.dtype | None = None,
-             overflow_nan: bool = False, first_amax: bool = False) -> Quantized:
+             overflow_nan: bool = False, first_amax: bool = False, via_reciprocal: bool = False) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
@@ -93,7 +93,10 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     (the scale still from the unclamped amax), another fp8 format than the cast's (`fp8_format`,
     e.g. ROCm's fnuz formats: their max and their grid), a cast that does not saturate
     (`overflow_nan`: what rounds beyond the format's max becomes NaN, as eager casts on a GPU do),
-    the first group's amax used for every group (`first_amax`: a scale indexed [0] and broadcast).
+    the first group's amax used for every group (`first_amax`: a scale indexed [0] and broadcast),
+    the scale computed as max * (1 / amax) in float32 (`via_reciprocal`: what torch does with
+    `448.0 / amax` for a float32 tensor amax, two roundings; measured: one ulp off the exact
+    quotient for 27% of random amaxes).
     """
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
@@ -108,7 +111,11 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     amax = (tiles.abs() if absolute_amax else tiles).amax(dim=(1, 3)).to(torch.float64)
     if first_amax:
         amax = amax[:1, :1].expand_as(amax)
-    scale = ((target_max or fmt.max) / torch.clamp(amax, min=eps)).to(torch.float32)
+    if via_reciprocal:
+        reciprocal = (1.0 / torch.clamp(amax, min=eps).to(torch.float32).to(torch.float64)).to(torch.float32)
+        scale = ((target_max or fmt.max) * reciprocal.to(torch.float64)).to(torch.float32)
+    else:
+        scale = ((target_max or fmt.max) / torch.clamp(amax, min=eps)).to(torch.float32)
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = scale.to(scale_dtype).to(torch.float32)

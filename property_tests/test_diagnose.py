@@ -190,11 +190,13 @@ USER_CODE = textwrap.dedent('''
         return _WeightReadTransposed.apply(input_2d, weight)
 
 
-    def _block_fake_quant(x, rows, cols, fp8=torch.float8_e4m3fn):
-        """Quantize-dequantize [R, C] in rows x cols blocks, e4m3 scales (448 / amax); straight-through gradient."""
+    def _block_fake_quant(x, rows, cols, fp8=torch.float8_e4m3fn, float32_scale=False):
+        """Quantize-dequantize [R, C] in rows x cols blocks, e4m3 scales (448 / amax, exact, or with float32_scale
+        as `448.0 / amax` on a float32 tensor); straight-through gradient."""
         R, C = x.shape
         v = x.detach().double().reshape(R // rows, rows, C // cols, cols)
-        scale = (448.0 / v.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)).float().double()
+        amax = v.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
+        scale = (448.0 / amax.float() if float32_scale else (448.0 / amax).float()).double()
         fake = ((v * scale).float().clamp(-448, 448).to(fp8).double() / scale).reshape(R, C).float()
         return x.float() + (fake - x.detach().float())
 
@@ -202,6 +204,13 @@ USER_CODE = textwrap.dedent('''
     def blockwise_weight_e5m2(input_2d, weight):
         """Blockwise by fake quantization, the weight's 128x128 blocks cast to e5m2 with e4m3 scales."""
         out = _block_fake_quant(input_2d, 1, 128) @ _block_fake_quant(weight, 128, 128, torch.float8_e5m2).t()
+        return out.to(input_2d.dtype)
+
+
+    def blockwise_float32_scales(input_2d, weight):
+        """Blockwise by fake quantization, each scale `448.0 / amax` on a float32 tensor."""
+        out = _block_fake_quant(input_2d, 1, 128, float32_scale=True) @ \
+            _block_fake_quant(weight, 128, 128, float32_scale=True).t()
         return out.to(input_2d.dtype)
 
 
@@ -267,6 +276,16 @@ def test_a_crash_unless_two_dims_are_equal_is_diagnosed_where_it_runs(user_file)
     assert (result.first, result.category, result.operand) == ("grad_input", "transpose", "weight"), \
         (result.category, result.evidence)
     assert result.crash and "only when K != N" in result.crash["trigger"], result.crash
+
+
+def test_a_scale_one_ulp_off_through_a_float32_reciprocal_is_named(user_file):
+    """`448.0 / amax` on a float32 tensor is 448 * (1 / amax), two roundings: one ulp off torchao's
+    float64-then-float32 scale in about a quarter of the groups, enough to round some fp8 values the
+    other way. Bisect names exactly that."""
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:blockwise_float32_scales", recipe="blockwise")),
+                      max_examples=30)
+    assert (result.first, result.category) == ("output", "scale"), result.evidence
+    assert any("fp8_max * (1 / amax)" in line for line in result.evidence), result.evidence
 
 
 def test_a_high_precision_gemm_run_in_bf16_is_precision(user_file):
