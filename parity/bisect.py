@@ -41,7 +41,7 @@ from parity.cases import Case, Dist, Layout
 from parity.check import CheckPlan, run_check
 from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
-from parity.diagnose import (ACCUMULATION_DB, MARGIN_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
+from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
                              explain_result, gemm_inverse_scales, high_precision_closeness,
                              strides_ignored)
 from parity.env import environment
@@ -448,8 +448,7 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
                                      strided=strides_ignored(host.steps[step], case))
         # a GEMM within the bound counts only where it is as far from the correct emulation as operand
         # mistakes leave it, and a mistake is much nearer
-        matches = [m for m in matches if m.gemm in diverging or (m.correct_db < ACCUMULATION_DB and m.db >= MATCH_DB
-                                                                 and m.db >= m.correct_db + MARGIN_DB)]
+        matches = [m for m in matches if m.gemm in diverging or (m.is_mistake and m.correct_db < ACCUMULATION_DB)]
         result.method = result.method or "behaviour"
     if fp8 and not execution.calls and got:
         hp_db, fp8_db = high_precision_closeness(got, host.steps[step], case, recipe)
@@ -578,7 +577,8 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
         explained = []
     if crashes and not numeric:
         # the GEMMs that ran before the crash were already handed the wrong operands (not the call that raised)
-        explained = [f for f in explained if (f.step, f.gemm) not in _rejected(execution)]
+        rejected = _rejected(execution)
+        explained = [f for f in explained if (f.step, f.gemm) not in rejected]
         if explained:
             result.crash = dict(message=crashes[0].message, trigger=[t for t in triggers])
             result.gemm = sorted({f.gemm for f in explained}, key=_gemm_order)

@@ -636,6 +636,12 @@ class Match:
     db: float  # closeness of the hypothesis to the implementation's result
     correct_db: float  # closeness of the correct emulation
 
+    @property
+    def is_mistake(self) -> bool:
+        """A hypothesis that matches (>= MATCH_DB) and is clearly closer than the correct emulation (ties go
+        to the correct one), not the accumulation-level reading of a result near the exact one."""
+        return self.db >= MATCH_DB and self.db >= self.correct_db + MARGIN_DB and self.correct_db < math.inf
+
 
 def _closeness(got: torch.Tensor, want: torch.Tensor) -> float:
     """SQNR of `got` against a hypothesis's `want`, where non-finite values must match exactly: a
@@ -741,9 +747,10 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
             scored.append((MATCH_DB, explained[2] if len(explained) > 2 else "result", *explained[:2]))
         if not scored:
             continue
-        best = max(scored, key=lambda s: s[0])
-        if best[0] >= MATCH_DB and best[0] >= correct_db + MARGIN_DB and correct_db < math.inf:
-            out.append(Match(gemm_name, best[1], best[2], best[3], best[0], correct_db))
+        db, operand, category, description = max(scored, key=lambda s: s[0])
+        best = Match(gemm_name, operand, category, description, db, correct_db)
+        if best.is_mistake:
+            out.append(best)
         elif correct_db >= ACCUMULATION_DB:  # the operands must be right: only the sums differ
             out.append(Match(gemm_name, "result", "accumulation", f"the exact result summed or rounded less "
                              f"precisely ({correct_db:.1f} dB from it, where operand mistakes leave < "
