@@ -41,10 +41,11 @@ from parity.cases import Case, Dist, Layout
 from parity.check import CheckPlan, run_check
 from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
-from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
-                             explain_result, gemm_inverse_scales, high_precision_closeness,
-                             strides_ignored)
+from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, RECIPROCAL_SCALES, Finding, Match, call_findings,
+                             diagnose_behaviour, explain_result, gemm_inverse_scales, high_precision_closeness,
+                             resolve_calls, strides_ignored)
 from parity.env import environment
+from parity.impls import builtin_for_recipe, load_impl, with_reciprocal_scales
 from parity.metrics import compare
 from parity.policy import CPU_IGNORES, Violation
 from parity.recipes import GEMMS, OPERANDS
@@ -54,6 +55,8 @@ from parity.runner import emulated_steps_of, execute, run_case_isolated
 from parity.worker import Died, Worker, WorkerError, default_time_limit, isolation
 
 NUMERIC_METRICS = ("bitwise", "accumulation_bound", "sqnr_db", "paired_sqnr_db", "nonfinite", "operand")
+# the classes of the GPU rules (parity.contract) whose rejection of a call names the bug rather than a crash
+NAMED_BY_REJECTION = ("layout", "fp8_dtype")
 STAGE_ORDER = ("in_place", "calls", "precision", "fp8_dtype", "scale", "bytes", "unit_scales", "fast_accum",
                "out_dtype", "result", "contract", "gpu_rule")
 
@@ -211,17 +214,37 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
         # a second worker, started now while the check runs: the minimal case alone in a fresh process
         spare = None if runner is None else Worker(runner.device_type).start()
         try:
-            return _localize(plan, device, case, max_examples, seed, runner, time_limit, spare)
+            result = _localize(plan, device, case, max_examples, seed, runner, time_limit, spare)
         finally:
             if spare is not None:
                 spare.close()
+    if result.verdict != "fail" or plan.candidate.recipe.reciprocal_scales or \
+            not any(RECIPROCAL_SCALES in entry["message"] for entry in result.diagnosis):
+        return result
+    # Scales one ulp off through a float32 reciprocal differ in every GEMM and on every case: they hide any
+    # mistake beside them (its GEMM, its triggers). Localize again against a recipe that rounds scales that
+    # way: a failure there is that mistake (the rounding reported with it); a pass leaves the rounding alone.
+    adopted = CheckPlan.make(with_reciprocal_scales(plan.candidate), with_reciprocal_scales(
+        load_impl(builtin_for_recipe("emulated", plan.candidate.recipe))))
+    again = localize(adopted, device=device, case=case, max_examples=max_examples, seed=seed, isolate=isolate,
+                     time_limit=time_limit)
+    if again.verdict != "fail":
+        return result
+    again.evidence.insert(0, f"its scales are computed as fp8_max * (1 / amax) in float32, one ulp off the exact "
+                             f"quotient in some groups ({result.category} in {result.first} on "
+                             f"{result.minimal_case.id}, read alone); localized again against a recipe that "
+                             f"rounds its scales so, it still fails: the mistake beside that rounding is this")
+    again.seconds = {**{f"{phase} (exact scales)": value for phase, value in result.seconds.items()},
+                     **again.seconds}
+    return again
 
 
 def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int, seed: int, runner: Worker | None,
               time_limit: float | None, spare: Worker | None = None) -> Localization:
     clock = time.perf_counter()
     found = run_check(plan, device=device, max_examples=max_examples, seed=seed,
-                      cases=None if case is None else [case], runner=runner, time_limit=time_limit)
+                      cases=None if case is None else [case], runner=runner, isolate=runner is not None,
+                      time_limit=time_limit)
     result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error)
 
     def lap(phase: str) -> None:  # where a bisect spends its time, in the JSON
@@ -361,12 +384,14 @@ def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcom
         _diagnose_case(result, plan, case, outcome, device)
 
 
-def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome,
-                   device: str) -> None:
+def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> None:
     candidate, recipe = plan.candidate, plan.candidate.recipe
     data = make_data(case, device)
     host = data.on_host()
     execution = execute(candidate, data, record=True, keep_data=True)
+    fp8 = recipe.is_fp8 and not candidate.exact
+    if fp8:  # one GEMM per call, for every stage below (a call whose shapes fit two: the oracle it matches)
+        execution.calls = resolve_calls(execution.calls, host.steps, recipe, case)
     numeric = outcome.numeric
     diverging = sorted({v.tensor for v in numeric}, key=_gemm_order)
     crashes = [v for v in outcome.violations if v.metric == "crash"]
@@ -374,7 +399,6 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
                 for role, category, message in sm90_problems(call)]
     findings: list[Finding] = []
     matches: list[Match] = []
-    fp8 = recipe.is_fp8 and not candidate.exact
     if fp8 and execution.calls:
         findings = call_findings(execution.calls, host.steps, recipe, case)
         result.method = "recorded calls"
@@ -576,8 +600,13 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
             (match_step, _gemm_order(first_match.gemm)) < (explained[0].step, _gemm_order(explained[0].gemm)):
         explained = []
     if crashes and not numeric:
-        # the GEMMs that ran before the crash were already handed the wrong operands (not the call that raised)
-        rejected = _rejected(execution)
+        # the GEMMs that ran before the crash were already handed the wrong operands; the call that raised
+        # counts only where the kernel rejected it for a rule that names a class (its operands' memory order,
+        # their fp8 formats: cuBLASLt's layout and e5m2 x e5m2 rules): then what that call was handed is the
+        # bug, and the crash its symptom. A scale tensor the kernel refuses is the crash itself.
+        rejected = _rejected(execution) - {(call.step, gemm) for call, _, category, _ in problems
+                                            if call.raised and category in NAMED_BY_REJECTION
+                                            for gemm in call.gemm.split("|")}
         explained = [f for f in explained if (f.step, f.gemm) not in rejected]
         if explained:
             result.crash = dict(message=crashes[0].message, trigger=[t for t in triggers])

@@ -14,6 +14,7 @@ describes, plus the parameters its gradients land in.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import enum
 import importlib
@@ -78,7 +79,7 @@ class Impl:
 
     def __reduce__(self):
         """Pickled by name: a worker process rebuilds the implementation (parity.worker)."""
-        return _reload, (self.name, self.form.value, self.recipe.name)
+        return _reload, (self.name, self.form.value, self.recipe.name, self.recipe.reciprocal_scales)
 
     @property
     def is_reference(self) -> bool:
@@ -303,10 +304,20 @@ def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
     return name if name in BUILTINS else None
 
 
-def _reload(name: str, form: str, recipe: str) -> Impl:
+def _reload(name: str, form: str, recipe: str, reciprocal_scales: bool = False) -> Impl:
     impl = load_impl(name, form=None if name in BUILTINS else form, recipe=None if name in BUILTINS else recipe)
     impl.form = Form(form)
-    return impl
+    return with_reciprocal_scales(impl) if reciprocal_scales else impl
+
+
+def with_reciprocal_scales(impl: Impl) -> Impl:
+    """The implementation judged as one whose recipe computes scales as fp8_max * (1 / amax) in float32
+    (Recipe.reciprocal_scales); an exact emulation becomes that recipe's emulation."""
+    recipe = dataclasses.replace(impl.recipe, reciprocal_scales=True)
+    if impl.exact:
+        from parity.oracles import emulated_matmul
+        return dataclasses.replace(impl, target=emulated_matmul(recipe), recipe=recipe)
+    return dataclasses.replace(impl, recipe=recipe)
 
 
 def default_reference(candidate: Impl, device_type: str) -> Impl:

@@ -77,6 +77,11 @@ class Quantized:
         return self.values * self.inv_scale.repeat_interleave(r, dim=0).repeat_interleave(i, dim=1)
 
 
+def scale_rounding(recipe: Recipe) -> dict:
+    """quantize()'s keyword arguments for how `recipe` rounds its scales."""
+    return dict(pow2=recipe.pow2_scales, via_reciprocal=recipe.reciprocal_scales)
+
+
 def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, absolute_amax: bool = True,
              scale_dtype: torch.dtype = torch.float32, target_max: float | None = None,
              clamp_max: float | None = None, inverse_scale: bool = True,
@@ -189,8 +194,7 @@ def emulate_linear(input: torch.Tensor, weight: torch.Tensor, grad_output: torch
         (a, bt), quantized = views[spec.name], []
         for role, operand, cast, tensor in (("a", spec.operands[0], spec.a, a), ("b", spec.operands[1], spec.b, bt)):
             options = {**mistakes.get(operand, {}), **mistakes.get((spec.name, role), {})}
-            quantized.append(quantize(tensor, options.pop("cast", cast), pow2=options.pop("pow2", recipe.pow2_scales),
-                                      **options))
+            quantized.append(quantize(tensor, options.pop("cast", cast), **{**scale_rounding(recipe), **options}))
         results[spec.name] = gemm(*quantized)
         magnitude[spec.name] = gemm(*quantized, magnitude=True)
         if keep_operands:
@@ -230,7 +234,7 @@ class _EmulatedMatmul(torch.autograd.Function):
 
 def _emulated_gemm(recipe: Recipe, name: str, a: torch.Tensor, bt: torch.Tensor, out_dtype: torch.dtype):
     spec = recipe.gemm(name)
-    value = gemm(quantize(a, spec.a, pow2=recipe.pow2_scales), quantize(bt, spec.b, pow2=recipe.pow2_scales))
+    value = gemm(quantize(a, spec.a, **scale_rounding(recipe)), quantize(bt, spec.b, **scale_rounding(recipe)))
     for dtype in result_dtypes(recipe, name, out_dtype):
         value = value.to(dtype)
     return value

@@ -130,6 +130,11 @@ class Recipe:
     summary: str
     gemms: tuple[Gemm, Gemm, Gemm]
     pow2_scales: bool = False  # scales rounded down to a power of two
+    # scales computed as fp8_max * (1 / amax) in float32, two roundings (what torch does with
+    # `448.0 / amax` on a float32 tensor), instead of the quotient rounded once (torchao: amax in
+    # float64). No built-in recipe does this; bisect adopts it when an implementation does, so that
+    # a mistake beside this one-ulp rounding difference is still named (parity.bisect)
+    reciprocal_scales: bool = False
     # axis- and block-scaled GEMMs write bf16 and cast to fp16/fp32 (torchao 0.18, on every device:
     # torch's CUTLASS rowwise kernel, used below cuBLAS 12.9, writes bf16 only; torchao's blockwise
     # layer is bf16-only)
@@ -201,7 +206,8 @@ class Recipe:
         return fp8, 6 * M * K * N - fp8
 
     def short_str(self) -> str:
-        extras = [*(["pow2 scales"] if self.pow2_scales else []), f"dims % {self.alignment}"]
+        extras = [*(["pow2 scales"] if self.pow2_scales else []),
+                  *(["scales via a float32 reciprocal"] if self.reciprocal_scales else []), f"dims % {self.alignment}"]
         return f"{self.name} ({'; '.join(g.short_str() for g in self.gemms)}; {', '.join(extras)})"
 
 

@@ -219,10 +219,10 @@ def emulated_steps_of(data: CaseData, recipe) -> list[oracles.EmulatedStep]:
     """The exact emulation of every step of `data` under `recipe` (with each GEMM's quantized
     operands), computed on first use and kept with the data: a sweep compares several
     implementations against it on each case."""
-    if recipe.name not in data.emulated:
-        data.emulated[recipe.name] = [oracles.emulate_linear(s.input, s.weight, s.grad_output, recipe,
-                                                             keep_operands=True) for s in data.steps]
-    return data.emulated[recipe.name]
+    if recipe not in data.emulated:  # by the whole description: a variant of a recipe has its own
+        data.emulated[recipe] = [oracles.emulate_linear(s.input, s.weight, s.grad_output, recipe,
+                                                        keep_operands=True) for s in data.steps]
+    return data.emulated[recipe]
 
 
 def _row_base(case: Case, comparison: Comparison, device_type: str) -> dict:

@@ -190,6 +190,34 @@ USER_CODE = textwrap.dedent('''
         return _WeightReadTransposed.apply(input_2d, weight)
 
 
+    class _GradWeightColumnMajorA(torch.autograd.Function):
+        """Tensorwise; grad_weight's GEMM is handed grad_output's fp8 transpose as a view: a column-major
+        A, which a CPU multiplies and SM90's cuBLASLt rejects."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight):
+            from fp8_impl.matmul import to_float8
+            ctx.save_for_backward(input_2d, weight)
+            x, sx = to_float8(input_2d, torch.float8_e4m3fn)
+            w, sw = to_float8(weight, torch.float8_e4m3fn)
+            return torch._scaled_mm(x, w.t(), scale_a=sx, scale_b=sw, out_dtype=input_2d.dtype, use_fast_accum=True)
+
+        @staticmethod
+        def backward(ctx, grad):
+            from fp8_impl.matmul import to_float8
+            input_2d, weight = ctx.saved_tensors
+            g, sg = to_float8(grad.contiguous(), torch.float8_e5m2)
+            w, sw = to_float8(weight, torch.float8_e4m3fn)
+            x, sx = to_float8(input_2d, torch.float8_e4m3fn)
+            grad_input = torch._scaled_mm(g, w.t().contiguous().t(), scale_a=sg, scale_b=sw, out_dtype=grad.dtype)
+            grad_weight = torch._scaled_mm(g.t(), x.t().contiguous().t(), scale_a=sg, scale_b=sx, out_dtype=grad.dtype)
+            return grad_input, grad_weight.to(weight.dtype)
+
+
+    def grad_weight_column_major_a(input_2d, weight):
+        return _GradWeightColumnMajorA.apply(input_2d, weight)
+
+
     def _block_fake_quant(x, rows, cols, fp8=torch.float8_e4m3fn, float32_scale=False):
         """Quantize-dequantize [R, C] in rows x cols blocks, e4m3 scales (448 / amax, exact, or with float32_scale
         as `448.0 / amax` on a float32 tensor); straight-through gradient."""
@@ -207,11 +235,36 @@ USER_CODE = textwrap.dedent('''
         return out.to(input_2d.dtype)
 
 
+    class _BlockwiseFloat32Scales(torch.autograd.Function):
+        """All three GEMMs blockwise by fake quantization, every scale `448.0 / amax` on a float32 tensor;
+        with `gw_blocks`, grad_weight's grad_output in 128x128 blocks instead of 1x128 tiles along M."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight, gw_blocks):
+            ctx.save_for_backward(input_2d, weight)
+            ctx.gw_blocks = gw_blocks
+            quant = _block_fake_quant
+            return (quant(input_2d, 1, 128, float32_scale=True) @
+                    quant(weight, 128, 128, float32_scale=True).t()).to(input_2d.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            input_2d, weight = ctx.saved_tensors
+            quant, rows = _block_fake_quant, 128 if ctx.gw_blocks else 1
+            grad_input = quant(grad, 1, 128, float32_scale=True) @ quant(weight, 128, 128, float32_scale=True)
+            grad_weight = quant(grad.t(), rows, 128, float32_scale=True) @ \
+                quant(input_2d.t(), 1, 128, float32_scale=True).t()
+            return grad_input.to(grad.dtype), grad_weight.to(weight.dtype), None
+
+
     def blockwise_float32_scales(input_2d, weight):
         """Blockwise by fake quantization, each scale `448.0 / amax` on a float32 tensor."""
-        out = _block_fake_quant(input_2d, 1, 128, float32_scale=True) @ \
-            _block_fake_quant(weight, 128, 128, float32_scale=True).t()
-        return out.to(input_2d.dtype)
+        return _BlockwiseFloat32Scales.apply(input_2d, weight, False)
+
+
+    def blockwise_float32_scales_gw_blocks(input_2d, weight):
+        """Every scale through a float32 reciprocal, and grad_weight's grad_output scaled per 128x128 block."""
+        return _BlockwiseFloat32Scales.apply(input_2d, weight, True)
 
 
     def rowwise_first_row_scale(input_2d, weight):
@@ -278,6 +331,24 @@ def test_a_crash_unless_two_dims_are_equal_is_diagnosed_where_it_runs(user_file)
     assert result.crash and "only when K != N" in result.crash["trigger"], result.crash
 
 
+def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, monkeypatch):
+    """On an H200, cuBLASLt rejects a column-major A: the implementation raises in grad_weight. The rule the
+    rejected call breaks names the class (layout, grad_output's transpose handed as a view), and the crash is
+    reported beside it; here the CPU kernel is made to reject such calls as SM90's does, in this process."""
+    from parity import cpu_gemm
+    fast = cpu_gemm._fast
+
+    def rejecting(a, b, *args, **kwargs):
+        if a.stride(1) != 1 or b.stride(0) != 1:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (SM90's layout rule, simulated on the CPU)")
+        return fast(a, b, *args, **kwargs)
+    monkeypatch.setattr(cpu_gemm, "_fast", rejecting)
+    result = bisect(user_file, "grad_weight_column_major_a", isolate=False)
+    assert (result.first, result.category, result.operand) == ("grad_weight", "layout", "grad_output"), \
+        (result.category, result.evidence)
+    assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash["message"], result.crash
+
+
 def test_a_scale_one_ulp_off_through_a_float32_reciprocal_is_named(user_file):
     """`448.0 / amax` on a float32 tensor is 448 * (1 / amax), two roundings: one ulp off torchao's
     float64-then-float32 scale in about a quarter of the groups, enough to round some fp8 values the
@@ -286,6 +357,16 @@ def test_a_scale_one_ulp_off_through_a_float32_reciprocal_is_named(user_file):
                       max_examples=30)
     assert (result.first, result.category) == ("output", "scale"), result.evidence
     assert any("fp8_max * (1 / amax)" in line for line in result.evidence), result.evidence
+
+
+def test_a_mistake_beside_float32_reciprocal_scales_is_named(user_file):
+    """Scales one ulp off through a float32 reciprocal differ in every GEMM; a mistake in grad_weight beside
+    them is found by checking again against a recipe that rounds its scales that way."""
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:blockwise_float32_scales_gw_blocks",
+                                               recipe="blockwise")), max_examples=30)
+    assert (result.first, result.category, result.operand) == ("grad_weight", "scale", "grad_output"), \
+        (result.first, result.category, result.evidence)
+    assert "fp8_max * (1 / amax)" in result.evidence[0], result.evidence
 
 
 def test_a_high_precision_gemm_run_in_bf16_is_precision(user_file):
