@@ -139,6 +139,11 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
         Hypothesis("scale", "amax = max(x) instead of max(|x|)", {"absolute_amax": False}),
         *(Hypothesis("precision", f"the operand rounded to {name} before its cast", {"source_dtype": dtype})
           for name, dtype in NARROWER),
+        *(Hypothesis("precision", f"the operand multiplied by its scale in {name} (a {name} tensor times a 0-dim "
+                                  f"float32 scale stays {name}): rounded twice, to {name} and then to {cast.fp8}",
+                     {"scaled_dtype": dtype}) for name, dtype in NARROWER),
+        Hypothesis("fp8_dtype", f"its {cast.fp8} values converted to {other} (the scale still {cast.fp8}'s)",
+                   {"converted_to": FP8_DTYPES[other]}),
         Hypothesis("scale", "its scale rounded to bfloat16", {"scale_dtype": torch.bfloat16}),
         Hypothesis("scale", EXACT_SCALES if recipe.reciprocal_scales else RECIPROCAL_SCALES,
                    {"via_reciprocal": not recipe.reciprocal_scales}),
@@ -383,7 +388,9 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
         source = sources.view(gemm, role, hypothesis.source)
         q = None if source is None or tuple(source.shape) != (rows, inner) else \
             _quantize(source, cast, recipe, hypothesis.options)
-        if q is None or not _same(values, q.values.cpu()):
+        # the values came in the recipe's format (compare_call checks it first): a mistake that ends in
+        # another format is not theirs, even where its values coincide with theirs
+        if q is None or q.fp8_dtype != cast.dtype or not _same(values, q.values.cpu()):
             continue
         if scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows, inner)):
             stage = "scale" if hypothesis.category == "scale" else "bytes"
@@ -412,10 +419,12 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
     if data is None:
         return out
     # torchao's form of an axis-scaled GEMM without fast accumulation: unit scales in the call,
-    # the row and column scales multiplied into the result afterwards (checked by the results)
+    # the row and column scales multiplied into the result afterwards (checked by the results). The
+    # call's own flag decides: a GEMM that asks for no fast accumulation where the recipe wants it
+    # takes this form too, and then differs in that flag alone
     unit_scales = (data.scale_a.numel() == 1 and data.scale_b.numel() == 1
                    and float(data.scale_a.reshape(())) == 1.0 and float(data.scale_b.reshape(())) == 1.0)
-    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and not spec.fast_accum
+    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and not call.use_fast_accum
                  and unit_scales)
     operands_differ = scales_elsewhere = False
     b_as_rows = data.b.t() if data.b.dim() == 2 else data.b

@@ -87,7 +87,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
              clamp_max: float | None = None, inverse_scale: bool = True,
              tile: tuple[int, int] | None = None, eps: float = EPS,
              value_clamp: float | None = None, fp8_format: torch.dtype | None = None,
-             overflow_nan: bool = False, first_amax: bool = False, via_reciprocal: bool = False) -> Quantized:
+             overflow_nan: bool = False, first_amax: bool = False, via_reciprocal: bool = False,
+             scaled_dtype: torch.dtype = torch.float32, converted_to: torch.dtype | None = None) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
@@ -101,7 +102,10 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     the first group's amax used for every group (`first_amax`: a scale indexed [0] and broadcast),
     the scale computed as max * (1 / amax) in float32 (`via_reciprocal`: what torch does with
     `448.0 / amax` for a float32 tensor amax, two roundings; measured: one ulp off the exact
-    quotient for 27% of random amaxes).
+    quotient for 27% of random amaxes), x * scale rounded to `scaled_dtype` before the fp8 cast
+    (bf16: a bf16 tensor times a 0-dim float32 scale stays bf16, a double rounding), the fp8 values
+    converted to another fp8 format afterwards (`converted_to`: rounded again, saturating there;
+    the result's format is that one, the scale still the cast's).
     """
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
@@ -125,16 +129,18 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = scale.to(scale_dtype).to(torch.float32)
     raw = tiles.to(torch.float64) if value_clamp is None else tiles.to(torch.float64).clamp(-value_clamp, value_clamp)
-    scaled = (raw * scale.to(torch.float64)[:, None, :, None]).to(torch.float32)  # one rounding
+    scaled = (raw * scale.to(torch.float64)[:, None, :, None]).to(scaled_dtype)  # one rounding (float32)
     handed = scale.reciprocal() if inverse_scale else scale
     if overflow_nan:  # no clamp: whatever rounds past the max is NaN (e4m3fn has no infinity)
         rounded = round_to_fp8_grid(scaled.to(torch.float64), fp8_dtype)
         values = torch.where(rounded.abs() > fmt.max, torch.full_like(rounded, math.nan), rounded)
         return Quantized(values.reshape(rows, inner), handed.to(torch.float64), (r, i), fp8_dtype)
     bound = min(fmt.max, clamp_max or fmt.max)
-    saturated = scaled.to(torch.float64).clamp(-bound, bound)
-    return Quantized(round_to_fp8_grid(saturated, fp8_dtype).reshape(rows, inner), handed.to(torch.float64),
-                     (r, i), fp8_dtype)
+    values = round_to_fp8_grid(scaled.to(torch.float64).clamp(-bound, bound), fp8_dtype)
+    if converted_to is not None:
+        fp8_dtype, other = converted_to, FORMATS[converted_to]
+        values = round_to_fp8_grid(values.clamp(-other.max, other.max), fp8_dtype)
+    return Quantized(values.reshape(rows, inner), handed.to(torch.float64), (r, i), fp8_dtype)
 
 
 def _block_of(a: Quantized, b: Quantized) -> int:

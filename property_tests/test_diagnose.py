@@ -58,6 +58,16 @@ USER_CODE = textwrap.dedent('''
         return float8_matmul(input_2d, _NudgeWeightGrad.apply(weight))
 
 
+    def rowwise_output_without_fast_accum(input_2d, weight):
+        """fp8_impl's rowwise recipe with fast accumulation off in the output GEMM: torchao's form of such a
+        GEMM (unit scales in the call, the row scales multiplied in afterwards)."""
+        import dataclasses
+        from fp8_impl import Float8LinearConfig
+        config = Float8LinearConfig.from_recipe_name("rowwise")
+        config = dataclasses.replace(config, output=dataclasses.replace(config.output, fast_accum=False))
+        return float8_matmul(input_2d, weight, config=config)
+
+
     def output_doubled(input_2d, weight):
         """The right GEMM, its result then multiplied by 2."""
         return float8_matmul(input_2d, weight) * 2
@@ -349,6 +359,18 @@ def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, mo
     assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash["message"], result.crash
 
 
+def test_fast_accumulation_off_in_torchaos_unit_scale_form_is_all_a_cpu_can_show(user_file):
+    """Without fast accumulation a rowwise GEMM runs torchao's way (unit scales, row scales after): where the
+    recipe wants fast accumulation the flag is then the only difference, marked as one only a GPU's numbers
+    show (bisect on the H200 names "only on the GPU" from it)."""
+    from parity.bisect import _is_gpu_lint
+    from parity.check import run_check
+    result = run_check(CheckPlan.make(load_impl(f"{user_file}:rowwise_output_without_fast_accum", recipe="rowwise")),
+                       max_examples=10)
+    assert result.verdict == "fail" and result.violations
+    assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
+
+
 def test_a_scale_one_ulp_off_through_a_float32_reciprocal_is_named(user_file):
     """`448.0 / amax` on a float32 tensor is 448 * (1 / amax), two roundings: one ulp off torchao's
     float64-then-float32 scale in about a quarter of the groups, enough to round some fp8 values the
@@ -425,8 +447,8 @@ def test_a_gemm_computed_as_its_transpose_is_not_an_operand_bug(user_file):
 def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe, generator):
     """Quantize an operand with each mistake of the space, hand it to explain_operand: it names that
     mistake (or an equivalent one of the same class), never another class, unless that other
-    mistake gives exactly the same operand on this data (e4m3fnuz's grid is e4m3's scaled to 240
-    above e4m3's lowest binade)."""
+    mistake gives exactly the same operand on this data. Mistakes that end in another fp8 format
+    (e5m2, ROCm's fnuz formats, values converted after the cast) are left to the call's dtype."""
     spec = RECIPES[recipe].gemm("output")
     size = 128 if recipe == "blockwise" else 16
     case = Case(lead=(2 * size,), K=2 * size, N=3 * size, steps=2)
@@ -443,6 +465,8 @@ def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe
             correct = _quantize(sources.view("output", role, "same"), cast, RECIPES[recipe], {})
             if q is None or (torch.equal(q.values, correct.values) and torch.equal(q.inv_scale, correct.inv_scale)):
                 continue  # this data does not tell the mistake apart
+            if q.fp8_dtype != cast.dtype:  # ends in another fp8 format: a recorded call's dtype says it
+                continue
             scales = q.inv_scale.repeat_interleave(rows // q.inv_scale.shape[0], 0).repeat_interleave(
                 inner // q.inv_scale.shape[1], 1)
             found = explain_operand(q.values, scales, cast, RECIPES[recipe], sources, "output", role)
