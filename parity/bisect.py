@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 
 from parity import oracles
-from parity.cases import Case, Dist, Layout
+from parity.cases import INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
 from parity.check import CheckPlan, run_check
 from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
@@ -63,6 +63,11 @@ STAGE_ORDER = ("in_place", "calls", "precision", "fp8_dtype", "scale", "bytes", 
 
 # ---- triggers --------------------------------------------------------------------------------------------
 
+def _dtype_trigger(tensor: str, dtype: str, *, alternative: bool = False) -> str:
+    """The trigger a tensor's dtype is: "only with fp32 input", or as a further one "or with fp32 input"."""
+    return f"{'or' if alternative else 'only'} with {dtype} {tensor}"
+
+
 def _conditions(case: Case) -> list[tuple[str, str, Case]]:
     """(trigger label, operand it points at, the case without that condition)."""
     undo = []
@@ -78,9 +83,9 @@ def _conditions(case: Case) -> list[tuple[str, str, Case]]:
     if len(case.lead) > 1:
         undo.append(("only with N-D input", "input", case.replace(lead=(case.M,))))
     if case.input_dtype != "bf16":
-        undo.append((f"only with {case.input_dtype} input", "input", case.replace(input_dtype="bf16")))
+        undo.append((_dtype_trigger("input", case.input_dtype), "input", case.replace(input_dtype="bf16")))
     if case.weight_dtype != "bf16":
-        undo.append((f"only with {case.weight_dtype} weight", "weight", case.replace(weight_dtype="bf16")))
+        undo.append((_dtype_trigger("weight", case.weight_dtype), "weight", case.replace(weight_dtype="bf16")))
     if case.steps > 1:
         undo.append(("only from the second call", "weight", case.replace(steps=1)))
     if case.dist is not Dist.NORMAL:
@@ -100,6 +105,22 @@ def _more_distributions(result: Localization, plan: CheckPlan, case: Case, devic
             other = case.replace(dist=dist)
             result.trigger.append(f"or with {other.dist_token} data")
             result.trigger_operands.append("")
+
+
+def _more_dtypes(result: Localization, plan: CheckPlan, case: Case, device: str, outcome_of) -> None:
+    """A failure that needs the input's (or the weight's) dtype may come with the other tensor's as well:
+    that condition undone and each other dtype given to the other tensor; those that fail too are named
+    ("or with fp32 input")."""
+    base = case.replace(input_dtype="bf16", weight_dtype="bf16")
+    tried = []
+    for tensor, other, dtypes in (("weight", "input", INPUT_DTYPES), ("input", "weight", WEIGHT_DTYPES)):
+        if _dtype_trigger(tensor, getattr(case, f"{tensor}_dtype")) in result.trigger:
+            tried += [(_dtype_trigger(other, dtype, alternative=True), other, base.replace(**{f"{other}_dtype": dtype}))
+                      for dtype in dtypes if dtype != "bf16"]
+    for label, operand, other in tried:
+        if plan.unsupported(other, torch.device(device).type) is None and outcome_of(other, device).fails:
+            result.trigger.append(label)
+            result.trigger_operands.append(operand)
 
 
 @dataclass
@@ -215,19 +236,22 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
         spare = None if runner is None else Worker(runner.device_type).start()
         try:
             result = _localize(plan, device, case, max_examples, seed, runner, time_limit, spare)
+            if result.verdict != "fail" or plan.candidate.recipe.reciprocal_scales or \
+                    not any(RECIPROCAL_SCALES in entry["message"] for entry in result.diagnosis):
+                return result
+            # Scales one ulp off through a float32 reciprocal differ in every GEMM and on every case: they
+            # hide any mistake beside them (its GEMM, its triggers). Localize again, in the same worker,
+            # against a recipe that rounds scales that way: a failure there is that mistake (the rounding
+            # reported with it); a pass leaves the rounding alone.
+            adopted = CheckPlan.make(with_reciprocal_scales(plan.candidate), with_reciprocal_scales(
+                load_impl(builtin_for_recipe("emulated", plan.candidate.recipe))))
+            if spare is not None:
+                spare.close()
+                spare = Worker(runner.device_type).start()
+            again = _localize(adopted, device, case, max_examples, seed, runner, time_limit, spare)
         finally:
             if spare is not None:
                 spare.close()
-    if result.verdict != "fail" or plan.candidate.recipe.reciprocal_scales or \
-            not any(RECIPROCAL_SCALES in entry["message"] for entry in result.diagnosis):
-        return result
-    # Scales one ulp off through a float32 reciprocal differ in every GEMM and on every case: they hide any
-    # mistake beside them (its GEMM, its triggers). Localize again against a recipe that rounds scales that
-    # way: a failure there is that mistake (the rounding reported with it); a pass leaves the rounding alone.
-    adopted = CheckPlan.make(with_reciprocal_scales(plan.candidate), with_reciprocal_scales(
-        load_impl(builtin_for_recipe("emulated", plan.candidate.recipe))))
-    again = localize(adopted, device=device, case=case, max_examples=max_examples, seed=seed, isolate=isolate,
-                     time_limit=time_limit)
     if again.verdict != "fail":
         return result
     again.evidence.insert(0, f"its scales are computed as fp8_max * (1 / amax) in float32, one ulp off the exact "
@@ -280,6 +304,7 @@ def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int
                 crash_triggers.append(label)
                 running.append((flipped, outcome))
     _more_distributions(result, plan, case, device, outcome_of)
+    _more_dtypes(result, plan, case, device, outcome_of)
     numeric_case, numeric = case, base
     diagnosis_runner = runner
     # State left by earlier calls in the process (a cache keyed by shape, a global): the minimal case

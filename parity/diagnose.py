@@ -142,6 +142,11 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
         *(Hypothesis("precision", f"the operand multiplied by its scale in {name} (a {name} tensor times a 0-dim "
                                   f"float32 scale stays {name}): rounded twice, to {name} and then to {cast.fp8}",
                      {"scaled_dtype": dtype}) for name, dtype in NARROWER),
+        *(Hypothesis("precision", f"the operand rounded to {name} after its amax and before its scaling (the "
+                                  f"scale from the unrounded values)", {"values_dtype": dtype})
+          for name, dtype in NARROWER),
+        *(Hypothesis("scale", f"its amax taken from a copy rounded to {name}", {"amax_dtype": dtype})
+          for name, dtype in NARROWER),
         Hypothesis("fp8_dtype", f"its {cast.fp8} values converted to {other} (the scale still {cast.fp8}'s)",
                    {"converted_to": FP8_DTYPES[other]}),
         Hypothesis("scale", "its scale rounded to bfloat16", {"scale_dtype": torch.bfloat16}),
@@ -744,12 +749,12 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                 score_mistakes(role, operand, not_cast, high_precision_hypotheses())
             # the whole GEMM in a narrower dtype than the recipe's: both operands and the result rounded to it
             chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(case, gemm_name, recipe))
+            # (operands already in that dtype stay as they are: the result's rounding alone then tells)
             for name, dtype in NARROWER:
                 narrow = [_quantize(hp, not_cast, recipe, {"source_dtype": dtype}) for hp in (a_hp, b_hp)]
-                if any(q is not None for q in narrow):
-                    value = oracles.gemm(narrow[0] or qa, narrow[1] or qb).to(dtype).to(torch.float64)
-                    scored.append((closeness(value), "result", "precision", f"computed in {name} (operands and "
-                                   f"result) where the recipe's result is rounded to {chain} only"))
+                value = oracles.gemm(narrow[0] or qa, narrow[1] or qb).to(dtype).to(torch.float64)
+                scored.append((closeness(value), "result", "precision", f"computed in {name} (operands and "
+                               f"result) where the recipe's result is rounded to {chain} only"))
             # computed in a wider precision than the recipe's: nearer the exact product than its roundings allow
             wider = _closeness(target.cpu(), correct_value.reshape(target.shape).to(target.dtype).cpu()) \
                 if bias is None or gemm_name != "output" else -math.inf

@@ -88,7 +88,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
              tile: tuple[int, int] | None = None, eps: float = EPS,
              value_clamp: float | None = None, fp8_format: torch.dtype | None = None,
              overflow_nan: bool = False, first_amax: bool = False, via_reciprocal: bool = False,
-             scaled_dtype: torch.dtype = torch.float32, converted_to: torch.dtype | None = None) -> Quantized:
+             scaled_dtype: torch.dtype = torch.float32, converted_to: torch.dtype | None = None,
+             amax_dtype: torch.dtype | None = None, values_dtype: torch.dtype | None = None) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
@@ -105,7 +106,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     quotient for 27% of random amaxes), x * scale rounded to `scaled_dtype` before the fp8 cast
     (bf16: a bf16 tensor times a 0-dim float32 scale stays bf16, a double rounding), the fp8 values
     converted to another fp8 format afterwards (`converted_to`: rounded again, saturating there;
-    the result's format is that one, the scale still the cast's).
+    the result's format is that one, the scale still the cast's), the amax taken from a copy rounded
+    to `amax_dtype`, the values rounded to `values_dtype` after the amax and before the scaling.
     """
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
@@ -117,7 +119,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     fmt = FORMATS[fp8_dtype]
     r, i = tile or cast.scaling.tile(rows, inner)
     tiles = x.reshape(rows // r, r, inner // i, i)
-    amax = (tiles.abs() if absolute_amax else tiles).amax(dim=(1, 3)).to(torch.float64)
+    measured = tiles if amax_dtype is None else tiles.to(amax_dtype)
+    amax = (measured.abs() if absolute_amax else measured).amax(dim=(1, 3)).to(torch.float64)
     if first_amax:
         amax = amax[:1, :1].expand_as(amax)
     if via_reciprocal:
@@ -128,7 +131,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = scale.to(scale_dtype).to(torch.float32)
-    raw = tiles.to(torch.float64) if value_clamp is None else tiles.to(torch.float64).clamp(-value_clamp, value_clamp)
+    raw = (tiles if values_dtype is None else tiles.to(values_dtype)).to(torch.float64)
+    raw = raw if value_clamp is None else raw.clamp(-value_clamp, value_clamp)
     scaled = (raw * scale.to(torch.float64)[:, None, :, None]).to(scaled_dtype)  # one rounding (float32)
     handed = scale.reciprocal() if inverse_scale else scale
     if overflow_nan:  # no clamp: whatever rounds past the max is NaN (e4m3fn has no infinity)

@@ -68,6 +68,11 @@ USER_CODE = textwrap.dedent('''
         return float8_matmul(input_2d, weight, config=config)
 
 
+    def operands_rounded_to_bf16(input_2d, weight):
+        """fp8_impl with both operands rounded to bf16 first: wrong for an fp32 input or an fp32 weight alike."""
+        return float8_matmul(input_2d.to(torch.bfloat16).to(input_2d.dtype), weight.to(torch.bfloat16).to(weight.dtype))
+
+
     def output_doubled(input_2d, weight):
         """The right GEMM, its result then multiplied by 2."""
         return float8_matmul(input_2d, weight) * 2
@@ -369,6 +374,14 @@ def test_fast_accumulation_off_in_torchaos_unit_scale_form_is_all_a_cpu_can_show
                        max_examples=10)
     assert result.verdict == "fail" and result.violations
     assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
+
+
+def test_a_failure_either_dtype_triggers_names_both(user_file):
+    """Wrong with an fp32 input and with an fp32 weight: whichever the minimal case has, the other is named too."""
+    result = bisect(user_file, "operands_rounded_to_bf16")
+    assert result.category == "precision", result.evidence
+    for dtype_trigger in ("with fp32 input", "with fp32 weight"):
+        assert any(dtype_trigger in trigger for trigger in result.trigger), result.trigger
 
 
 def test_a_scale_one_ulp_off_through_a_float32_reciprocal_is_named(user_file):
