@@ -81,7 +81,7 @@ class Hypothesis:
     category: str
     description: str
     options: dict = field(default_factory=dict)
-    source: str = "same"  # same | transposed | reshaped | previous | strides_ignored
+    source: str = "same"  # same, or one of MOVED's (where the operand's values come from)
 
     @property
     def keeps_high_precision(self) -> bool:
@@ -105,6 +105,7 @@ def _regions(rows: int, inner: int) -> list[tuple[str, tuple[int, int]]]:
 MOVED = {source: Hypothesis(category, description, source=source) for source, category, description in (
     ("transposed", "transpose", "the operand transposed (read the other way round)"),
     ("reshaped", "transpose", "the operand reinterpreted with reshape instead of a transpose"),
+    ("reshaped_from_transpose", "transpose", "the operand made from its transpose with reshape instead of .t()"),
     ("previous", "stale_state", "the operand of the previous call (a stale cache)"),
     ("strides_ignored", "layout", "the operand read as if contiguous from non-contiguous memory"),
     ("leading_swapped", "transpose", "its tokens flattened from the leading dims in the wrong order (dims swapped "
@@ -162,7 +163,7 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
                      {"tile": tile}) for region, tile in _regions(rows, inner) if tile != own_tile),
         *([Hypothesis("scale", "every group scaled by the first group's amax (a scale indexed [0] and broadcast)",
                       {"first_amax": True})] if own_tile != (rows, inner) else []),
-        MOVED["transposed"], MOVED["reshaped"], MOVED["previous"],
+        MOVED["transposed"], MOVED["reshaped"], MOVED["reshaped_from_transpose"], MOVED["previous"],
         *(Hypothesis(category, description, {"grid": grid}) for category, grid, description in (
             ("transpose", "transposed", "its grid of scales transposed"),
             ("transpose", "reshaped", "its grid of scales reinterpreted with reshape instead of transposed"),
@@ -301,7 +302,8 @@ class OperandSources:
 
     def view(self, gemm: str, role: str, source: str) -> torch.Tensor | None:
         base = {"same": self.step, "previous": self.previous, "strides_ignored": self.strided,
-                "transposed": self.step, "reshaped": self.step, "leading_swapped": self.step}[source]
+                "transposed": self.step, "reshaped": self.step, "reshaped_from_transpose": self.step,
+                "leading_swapped": self.step}[source]
         if base is None:
             return None
         if source == "leading_swapped":  # N-D input and grad_output flattened with their first two dims swapped
@@ -314,8 +316,10 @@ class OperandSources:
         rows, inner = operand.shape
         if source == "transposed":
             return operand.t() if rows == inner else None
-        if source == "reshaped":
+        if source == "reshaped":  # the code holds the operand [rows, inner] and reshapes it where .t() belongs
             return operand.reshape(inner, rows).t() if rows != inner else None
+        if source == "reshaped_from_transpose":  # the code holds its transpose [inner, rows] and does the same
+            return operand.t().reshape(rows, inner) if rows != inner else None
         return operand
 
 
