@@ -559,10 +559,14 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
     _evidence(result, plan, case, outcome, findings, matches, execution, data)
 
 
+def _gemms_of(calls) -> set[tuple[int, str]]:
+    """(step, GEMM) of each of these recorded calls."""
+    return {(call.step, gemm) for call in calls for gemm in call.gemm.split("|") if gemm in GEMMS}
+
+
 def _rejected(execution) -> set[tuple[int, str]]:
     """(step, GEMM) of each recorded call the kernel raised on."""
-    return {(call.step, gemm) for call in execution.calls if call.raised for gemm in call.gemm.split("|")
-            if gemm in GEMMS}
+    return _gemms_of(call for call in execution.calls if call.raised)
 
 
 def _crash_gemms(crash: Violation, execution, recipe) -> list[str]:
@@ -629,9 +633,8 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
         # counts only where the kernel rejected it for a rule that names a class (its operands' memory order,
         # their fp8 formats: cuBLASLt's layout and e5m2 x e5m2 rules): then what that call was handed is the
         # bug, and the crash its symptom. A scale tensor the kernel refuses is the crash itself.
-        rejected = _rejected(execution) - {(call.step, gemm) for call, _, category, _ in problems
-                                            if call.raised and category in NAMED_BY_REJECTION
-                                            for gemm in call.gemm.split("|")}
+        rejected = _rejected(execution) - _gemms_of(call for call, _, category, _ in problems
+                                                    if call.raised and category in NAMED_BY_REJECTION)
         explained = [f for f in explained if (f.step, f.gemm) not in rejected]
         if explained:
             result.crash = dict(message=crashes[0].message, trigger=[t for t in triggers])
