@@ -2,6 +2,6 @@
 
 import sys
 
-from parity.cli import main
+from parity.entry import main
 
 sys.exit(main())

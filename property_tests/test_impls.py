@@ -140,3 +140,23 @@ def test_a_function_that_takes_a_bias_adds_it_itself_and_is_judged_on_how():
     assert output.dtype == torch.float32  # the function's own promotion shows; the harness added nothing
     once = (input @ linear.weight.detach().to(torch.bfloat16).t()).float() + linear.bias.detach()
     torch.testing.assert_close(output.detach(), once)  # the bias added once, not twice
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_the_entry_point_starts_no_worker_for_a_builtin(name):
+    from parity.entry import names_your_code, worker_device
+    assert not names_your_code(name)
+    assert worker_device(["check", "--impl", name, "--device", "cpu"]) is None
+
+
+@pytest.mark.parametrize(("argv", "device"), [
+    (["bisect", "--impl", f"{MUTANTS}:correct", "--device", "cpu"], "cpu"),
+    (["check", f"--impl={MUTANTS}:correct", "--device=cuda"], "cuda"),
+    (["check", "--impl", "bf16", "--against", "mypkg.fp8:Linear", "--device", "cpu"], "cpu"),
+    (["sweep", "--impl", "torchao:rowwise", "--impl", "mypkg.fp8:Linear", "--device", "cpu"], "cpu"),
+    (["report", "--impl", f"{MUTANTS}:correct"], None),  # a command that runs no implementation
+    (["check", "--impl", f"{MUTANTS}:correct", "--device", "tpu"], None),  # cli.main says what is wrong
+])
+def test_the_entry_point_reads_which_worker_a_command_needs(argv, device):
+    from parity.entry import worker_device
+    assert worker_device(argv) == device

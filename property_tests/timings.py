@@ -76,7 +76,7 @@ def time_bisects(name: str, device: str, only: list[str] | None = None) -> None:
     manifest = json.loads((root / name / "manifest.json").read_text())
     bar = 30.0 if device == "cuda" else 60.0
     seconds = {}
-    print("| entry | seconds | exit | phases (s) |\n| --- | --- | --- | --- |")
+    print("| entry | seconds | exit | phases (s) | outside the phases (s) |\n| --- | --- | --- | --- | --- |")
     for entry in manifest:
         if entry["category"] == "none" or device not in entry["devices"] or (only and entry["name"] not in only):
             continue
@@ -90,8 +90,9 @@ def time_bisects(name: str, device: str, only: list[str] | None = None) -> None:
                 phases = json.loads(Path(f"{tmp}/bisect.json").read_text()).get("seconds", {})
             except (OSError, ValueError):
                 phases = {}
+        outside = seconds[entry["name"]] - sum(phases.values())  # the interpreter, imports, workers' starts, exit
         print(f"| {entry['name']} | {seconds[entry['name']]:.1f} | {done.returncode} | "
-              f"{' '.join(f'{k}:{v:.1f}' for k, v in phases.items())} |", flush=True)
+              f"{' '.join(f'{k}:{v:.1f}' for k, v in phases.items())} | {outside:.1f} |", flush=True)
     slowest = max(seconds, key=seconds.get)
     print(f"\nbisect on {name} ({device}, {len(seconds)} entries, fresh processes): median "
           f"{statistics.median(seconds.values()):.1f} s, max {seconds[slowest]:.1f} s ({slowest}); bar {bar:.0f} s: "

@@ -1,0 +1,63 @@
+"""The `fp8-parity` console script (and `python -m parity`): start the worker a command will need,
+then hand over to parity.cli.
+
+A command that runs your code (check, bisect or sweep of an implementation that is not a
+built-in) runs it in a worker process (parity.worker). A worker's start costs an interpreter,
+torch, torchao, the harness and, on a GPU, a CUDA context: several seconds, most of a quick
+bisect's wall time. Started here, before this process imports torch and builds its parser (about
+3 s on a 2-core laptop, all of it before parity.cli could start anything), the worker gets ready
+while they run. The decision reads the raw arguments without importing torch: a wrong guess
+costs a spare process, never a result (parity.cli.main starts what the parsed arguments need
+anyway, and the check of the device and of the names happens there).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+RUNS_YOUR_CODE = ("check", "bisect", "sweep")  # the commands that run an implementation in a worker
+BUILTIN_PACKAGES = ("fp8_impl", "torchao", "emulated")  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
+
+
+def names_your_code(value: str) -> bool:
+    """Whether an --impl / --against value names code outside the harness (path/to/file.py:attr,
+    package.module:attr) rather than a built-in (fp8_impl, torchao:rowwise, emulated:blockwise, bf16)."""
+    package, colon, _ = value.partition(":")
+    return package.endswith(".py") or (bool(colon) and package not in BUILTIN_PACKAGES)
+
+
+def _values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    values = []
+    for i, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if name in flags:
+            if equals:
+                values.append(value)
+            elif i + 1 < len(argv):
+                values.append(argv[i + 1])
+    return values
+
+
+def worker_device(argv: list[str]) -> str | None:
+    """The device type of the worker the command in `argv` will start, or None when it starts none.
+    --device auto is decided by the presence of an NVIDIA driver (torch is not imported yet)."""
+    if not argv or argv[0] not in RUNS_YOUR_CODE:
+        return None
+    if not any(names_your_code(value) for value in _values(argv, ("--impl", "--against"))):
+        return None
+    device = (_values(argv, ("--device",)) or ["auto"])[-1]
+    if device == "auto":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        device = "cuda" if os.path.exists("/dev/nvidiactl") and visible not in ("", "-1") else "cpu"
+    return device if device in ("cpu", "cuda") else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    device = worker_device(argv)
+    if device is not None:
+        from parity.worker import warm_up  # standard library only: no torch yet
+        warm_up(device)
+    from parity.cli import main as cli_main
+    return cli_main(argv)
