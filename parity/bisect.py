@@ -108,15 +108,15 @@ def _more_distributions(result: Localization, plan: CheckPlan, case: Case, devic
 
 
 def _more_dtypes(result: Localization, plan: CheckPlan, case: Case, device: str, outcome_of) -> None:
-    """A failure that needs the input's (or the weight's) dtype may come with the other tensor's as well:
-    that condition undone and each other dtype given to the other tensor; those that fail too are named
-    ("or with fp32 input")."""
+    """A failure that needs the input's (or the weight's) dtype may come with another dtype of that tensor
+    (fp16 beside fp32) or with the other tensor's: that condition undone and each other dtype given to
+    either tensor alone; those that fail too are named ("or with fp16 input")."""
     base = case.replace(input_dtype="bf16", weight_dtype="bf16")
-    tried = []
-    for tensor, other, dtypes in (("weight", "input", INPUT_DTYPES), ("input", "weight", WEIGHT_DTYPES)):
-        if _dtype_trigger(tensor, getattr(case, f"{tensor}_dtype")) in result.trigger:
-            tried += [(_dtype_trigger(other, dtype, alternative=True), other, base.replace(**{f"{other}_dtype": dtype}))
-                      for dtype in dtypes if dtype != "bf16"]
+    dtypes = {"input": INPUT_DTYPES, "weight": WEIGHT_DTYPES}
+    needed = [t for t in dtypes if _dtype_trigger(t, getattr(case, f"{t}_dtype")) in result.trigger]
+    tried = [(_dtype_trigger(tensor, dtype, alternative=True), tensor, base.replace(**{f"{tensor}_dtype": dtype}))
+             for tensor in dtypes if needed for dtype in dtypes[tensor]
+             if dtype != "bf16" and not (tensor in needed and dtype == getattr(case, f"{tensor}_dtype"))]
     for label, operand, other in tried:
         if plan.unsupported(other, torch.device(device).type) is None and outcome_of(other, device).fails:
             result.trigger.append(label)

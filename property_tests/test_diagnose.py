@@ -73,6 +73,11 @@ USER_CODE = textwrap.dedent('''
         return float8_matmul(input_2d.to(torch.bfloat16).to(input_2d.dtype), weight.to(torch.bfloat16).to(weight.dtype))
 
 
+    def input_rounded_to_bf16(input_2d, weight):
+        """fp8_impl with the input rounded to bf16 first: wrong for an fp32 or an fp16 input."""
+        return float8_matmul(input_2d.to(torch.bfloat16).to(input_2d.dtype), weight)
+
+
     def output_doubled(input_2d, weight):
         """The right GEMM, its result then multiplied by 2."""
         return float8_matmul(input_2d, weight) * 2
@@ -382,6 +387,16 @@ def test_a_failure_either_dtype_triggers_names_both(user_file):
     assert result.category == "precision", result.evidence
     for dtype_trigger in ("with fp32 input", "with fp32 weight"):
         assert any(dtype_trigger in trigger for trigger in result.trigger), result.trigger
+
+
+def test_a_failure_two_input_dtypes_trigger_names_both(user_file):
+    """Wrong with an fp32 and with an fp16 input (not with an fp32 weight): whichever the minimal case has,
+    the other is named too (held-out set 14's first run named only fp32 for such a bug)."""
+    result = bisect(user_file, "input_rounded_to_bf16")
+    assert result.category == "precision", result.evidence
+    for dtype_trigger in ("with fp32 input", "with fp16 input"):
+        assert any(dtype_trigger in trigger for trigger in result.trigger), result.trigger
+    assert not any("weight" in trigger for trigger in result.trigger), result.trigger
 
 
 def test_a_scale_one_ulp_off_through_a_float32_reciprocal_is_named(user_file):
