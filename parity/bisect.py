@@ -95,6 +95,20 @@ def _conditions(case: Case) -> list[tuple[str, str, Case]]:
     return undo
 
 
+def _one_condition_more(case: Case, plan: CheckPlan, device: str) -> list[Case]:
+    """The case with one trigger condition of _conditions added (a layout, a dtype, N-D input, K == N, a
+    bias, a second call, a data distribution), those the plan can run."""
+    variants = [case.replace(**{attr: Layout.TRANSPOSED})
+                for attr in ("input_layout", "weight_layout", "grad_output_layout")]
+    variants += [case.replace(input_dtype=dtype) for dtype in INPUT_DTYPES]
+    variants += [case.replace(weight_dtype=dtype) for dtype in WEIGHT_DTYPES]
+    variants += [case.replace(N=case.K), case.replace(bias=True), case.replace(steps=2)]
+    if len(case.lead) == 1:
+        variants.append(case.replace(lead=(2, case.M // 2)))
+    variants += [case.replace(dist=dist) for dist in Dist]
+    return [v for v in dict.fromkeys(variants) if v != case and plan.unsupported(v, torch.device(device).type) is None]
+
+
 def _more_distributions(result: Localization, plan: CheckPlan, case: Case, device: str, outcome_of) -> None:
     """A failure that needs its data distribution may need one of several: each other distribution
     is tried on the same case, and those that fail too are named ("or with X data")."""
@@ -235,7 +249,7 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
         # a second worker, started now while the check runs: the minimal case alone in a fresh process
         spare = None if runner is None else Worker(runner.device_type).start()
         try:
-            result = _localize(plan, device, case, max_examples, seed, runner, time_limit, spare)
+            result = _localize(plan, device, [case] if case else None, max_examples, seed, runner, time_limit, spare)
             if result.verdict != "fail" or plan.candidate.recipe.reciprocal_scales or \
                     not any(RECIPROCAL_SCALES in entry["message"] for entry in result.diagnosis):
                 return result
@@ -245,16 +259,17 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
             # reported with it); a pass leaves the rounding alone.
             adopted = CheckPlan.make(with_reciprocal_scales(plan.candidate), with_reciprocal_scales(
                 load_impl(builtin_for_recipe("emulated", plan.candidate.recipe))))
-            def relocalize(on: Case | None) -> Localization:
+            def relocalize(on: list[Case] | None) -> Localization:
                 nonlocal spare
                 if spare is not None:
                     spare.close()
                     spare = Worker(runner.device_type).start()
                 return _localize(adopted, device, on, max_examples, seed, runner, time_limit, spare)
-            # On the minimal case first: a mistake that shows on every case shows there, without a new
-            # search (on the H200 a search costs 15-20 s); one that needs a condition this case lacks
-            # is searched for.
-            again = relocalize(case or result.minimal_case)
+            # The minimal case and its variants with one condition more first (a mistake that shows on every
+            # case, or needs one layout, dtype, distribution...: no new search, which costs 10-20 s on the
+            # H200); a mistake that needs more is searched for.
+            again = relocalize([case] if case else [result.minimal_case, *_one_condition_more(result.minimal_case,
+                                                                                             adopted, device)])
             if again.verdict != "fail" and case is None:
                 again = relocalize(None)
         finally:
@@ -271,12 +286,12 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     return again
 
 
-def _localize(plan: CheckPlan, device: str, case: Case | None, max_examples: int, seed: int, runner: Worker | None,
-              time_limit: float | None, spare: Worker | None = None) -> Localization:
+def _localize(plan: CheckPlan, device: str, cases: list[Case] | None, max_examples: int, seed: int,
+              runner: Worker | None, time_limit: float | None, spare: Worker | None = None) -> Localization:
+    """Localize the first failure among `cases` (None: search for one and shrink it)."""
     clock = time.perf_counter()
-    found = run_check(plan, device=device, max_examples=max_examples, seed=seed,
-                      cases=None if case is None else [case], runner=runner, isolate=runner is not None,
-                      time_limit=time_limit)
+    found = run_check(plan, device=device, max_examples=max_examples, seed=seed, cases=cases, runner=runner,
+                      isolate=runner is not None, time_limit=time_limit)
     result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error)
 
     def lap(phase: str) -> None:  # where a bisect spends its time, in the JSON
