@@ -246,8 +246,12 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     diagnosis, which runs it many times, within four times that): a death or a hang there is
     evidence, never the end of the localization."""
     with isolation(plan.comparisons, device, isolate) as runner:
-        # a second worker, started now while the check runs: the minimal case alone in a fresh process
-        spare = None if runner is None else Worker(runner.device_type).start()
+        # the check's worker takes the process the command started first thing (parity.entry); a second,
+        # started now while the check runs, is for the minimal case alone in a fresh process
+        spare = None
+        if runner is not None:
+            runner.start()
+            spare = Worker(runner.device_type).start()
         try:
             result = _localize(plan, device, [case] if case else None, max_examples, seed, runner, time_limit, spare)
             if result.verdict != "fail" or plan.candidate.recipe.reciprocal_scales or \

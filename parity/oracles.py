@@ -89,7 +89,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
              value_clamp: float | None = None, fp8_format: torch.dtype | None = None,
              overflow_nan: bool = False, first_amax: bool = False, via_reciprocal: bool = False,
              scaled_dtype: torch.dtype = torch.float32, converted_to: torch.dtype | None = None,
-             amax_dtype: torch.dtype | None = None, values_dtype: torch.dtype | None = None) -> Quantized:
+             amax_dtype: torch.dtype | None = None, values_dtype: torch.dtype | None = None,
+             multiplier_dtype: torch.dtype | None = None) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
@@ -104,7 +105,9 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     the scale computed as max * (1 / amax) in float32 (`via_reciprocal`: what torch does with
     `448.0 / amax` for a float32 tensor amax, two roundings; measured: one ulp off the exact
     quotient for 27% of random amaxes), x * scale rounded to `scaled_dtype` before the fp8 cast
-    (bf16: a bf16 tensor times a 0-dim float32 scale stays bf16, a double rounding), the fp8 values
+    (bf16: a bf16 tensor times a 0-dim float32 scale stays bf16, a double rounding), with the scale
+    itself rounded to `multiplier_dtype` for that product only (what a GPU kernel does with a 0-dim
+    float32 tensor on the device: it converts it to the other operand's dtype), the fp8 values
     converted to another fp8 format afterwards (`converted_to`: rounded again, saturating there;
     the result's format is that one, the scale still the cast's), the amax taken from a copy rounded
     to `amax_dtype`, the values rounded to `values_dtype` after the amax and before the scaling.
@@ -133,7 +136,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     scale = scale.to(scale_dtype).to(torch.float32)
     raw = (tiles if values_dtype is None else tiles.to(values_dtype)).to(torch.float64)
     raw = raw if value_clamp is None else raw.clamp(-value_clamp, value_clamp)
-    scaled = (raw * scale.to(torch.float64)[:, None, :, None]).to(scaled_dtype)  # one rounding (float32)
+    multiplier = scale if multiplier_dtype is None else scale.to(multiplier_dtype)
+    scaled = (raw * multiplier.to(torch.float64)[:, None, :, None]).to(scaled_dtype)  # one rounding (float32)
     handed = scale.reciprocal() if inverse_scale else scale
     if overflow_nan:  # no clamp: whatever rounds past the max is NaN (e4m3fn has no infinity)
         rounded = round_to_fp8_grid(scaled.to(torch.float64), fp8_dtype)
