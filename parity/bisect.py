@@ -294,8 +294,10 @@ def _localize(plan: CheckPlan, device: str, cases: list[Case] | None, max_exampl
               runner: Worker | None, time_limit: float | None, spare: Worker | None = None) -> Localization:
     """Localize the first failure among `cases` (None: search for one and shrink it)."""
     clock = time.perf_counter()
+    # the minimal case alone in a fresh worker is step 1's business (in the spare started beside the check):
+    # the check's own rerun would wait for another fresh worker, 10-14 s on the H200
     found = run_check(plan, device=device, max_examples=max_examples, seed=seed, cases=cases, runner=runner,
-                      isolate=runner is not None, time_limit=time_limit)
+                      isolate=runner is not None, time_limit=time_limit, rerun_alone=False)
     result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error)
 
     def lap(phase: str) -> None:  # where a bisect spends its time, in the JSON

@@ -110,23 +110,25 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
               max_dim: int = 256, max_tokens: int = 256, seed: int = 0, derandomize: bool = True,
               rerun_command: Callable[[Case], str] | None = None,
               progress: Callable[[int, int], None] | None = None, isolate: bool | None = None,
-              time_limit: float | None = None, runner: Worker | None = None) -> CheckResult:
+              time_limit: float | None = None, runner: Worker | None = None, rerun_alone: bool = True) -> CheckResult:
     """Explicit `cases` run as given; otherwise edge cases, then a hypothesis search of
     `max_examples` cases with shrinking of the first failure. Cases an implementation cannot take
     are skipped with the reason; a check in which no case could run is an error, not a pass.
     With `isolate` (default: when any implementation is not a built-in; parity.worker.isolation)
     every case runs in a worker process, within `time_limit`
-    seconds (default: one that fits the case's size), in `runner` if given (kept open)."""
+    seconds (default: one that fits the case's size), in `runner` if given (kept open). A failure found
+    after other cases ran in the worker is run again alone in a fresh one (`rerun_alone`), to say
+    whether it needs what ran before."""
     if runner is not None:
         return _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize,
-                          rerun_command, progress, runner, time_limit)
+                          rerun_command, progress, runner, time_limit, rerun_alone)
     with isolation(plan.comparisons, device, isolate) as runner:
         return _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize,
-                          rerun_command, progress, runner, time_limit)
+                          rerun_command, progress, runner, time_limit, rerun_alone)
 
 
 def _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize, rerun_command, progress,
-               runner, time_limit) -> CheckResult:
+               runner, time_limit, rerun_alone) -> CheckResult:
     start = time.perf_counter()
     all_rows: list[dict] = []
     counter = {"cases": 0, "skipped": {}}
@@ -165,7 +167,7 @@ def _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, der
         if ref_errors:
             return finish("error", error=f"a reference failed on {case.id}: {'; '.join(ref_errors)}", minimal=case)
         note = None
-        if runner is not None and counter["cases"] > 1:  # does the failure need what ran before this case?
+        if rerun_alone and runner is not None and counter["cases"] > 1:  # does it need what ran before it?
             runner.close()
             if not plan.judge(run_case_isolated(case, plan.comparisons, device=device, runner=runner,
                                                 time_limit=time_limit)):
