@@ -143,13 +143,6 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
         *(Hypothesis("precision", f"the operand multiplied by its scale in {name} (a {name} tensor times a 0-dim "
                                   f"float32 scale stays {name}): rounded twice, to {name} and then to {cast.fp8}",
                      {"scaled_dtype": dtype}) for name, dtype in NARROWER),
-        # On a GPU a 0-dim float32 scale on the device is no CPU scalar: the kernel converts it to the
-        # tensor's dtype before multiplying (on the CPU it is read in float32), so the same line of code
-        # also rounds the scale there; the GEMM still gets the unrounded scale's inverse
-        *(Hypothesis("precision", f"the operand multiplied by its scale in {name} on the GPU (the 0-dim scale "
-                                  f"converted to {name} first, then the product): rounded twice, to {name} and then "
-                                  f"to {cast.fp8}", {"scaled_dtype": dtype, "multiplier_dtype": dtype})
-          for name, dtype in NARROWER),
         *(Hypothesis("precision", f"the operand rounded to {name} after its amax and before its scaling (the "
                                   f"scale from the unrounded values)", {"values_dtype": dtype})
           for name, dtype in NARROWER),
@@ -221,6 +214,16 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
     hypotheses += [Hypothesis("fp8_dtype", f"cast to {name} (ROCm's format, max {oracles.FORMATS[dtype].max:g}) "
                                            f"instead of {cast.fp8}", {"fp8_format": dtype})
                    for name, dtype in (("e4m3fnuz", torch.float8_e4m3fnuz), ("e5m2fnuz", torch.float8_e5m2fnuz))]
+    # On a GPU a 0-dim float32 scale on the device is no CPU scalar: the kernel converts it to the
+    # tensor's dtype before multiplying (on the CPU it is read in float32), so the same line of code
+    # also rounds the scale there; the GEMM still gets the unrounded scale's inverse. Two roundings in
+    # one: after every single mistake, which wins a tie (a scale beyond fp16's max makes NaN on
+    # all-zero groups exactly as a missing amax floor does)
+    hypotheses += [Hypothesis("precision", f"the operand multiplied by its scale in {name} on the GPU (the 0-dim "
+                                           f"scale converted to {name} first, then the product): rounded twice, to "
+                                           f"{name} and then to {cast.fp8}", {"scaled_dtype": dtype,
+                                                                               "multiplier_dtype": dtype})
+                   for name, dtype in NARROWER]
     return hypotheses
 
 
