@@ -275,7 +275,10 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
             again = relocalize([case] if case else [result.minimal_case, *_one_condition_more(result.minimal_case,
                                                                                              adopted, device)])
             if again.verdict != "fail" and case is None:
+                variants = again
                 again = relocalize(None)
+                again.seconds = {**{f"{phase} (variants)": value for phase, value in variants.seconds.items()},
+                                 **again.seconds}
         finally:
             if spare is not None:
                 spare.close()
