@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from parity.cases import CaseError, parse_case_id
+from parity.entry import RUNS_YOUR_CODE
 from parity.history import HistoryError
 from parity.impls import BUILTIN_HELP, BUILTINS, Form, ImplError, load_impl
 from parity.policy import Policy
@@ -759,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     named = [*(args.impl if isinstance(getattr(args, "impl", None), list) else [getattr(args, "impl", None)]),
              getattr(args, "against", None)]
-    if args.command in ("check", "bisect", "sweep") and any(name and name not in BUILTINS for name in named):
+    if args.command in RUNS_YOUR_CODE and any(name and name not in BUILTINS for name in named):
         from parity.worker import warm_up
         on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         warm_up("cuda" if on_gpu else "cpu")  # code under test runs in workers: their imports run beside this process's
