@@ -459,6 +459,8 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
     if fp8 and execution.calls:
         findings = call_findings(execution.calls, host.steps, recipe, case)
         result.method = "recorded calls"
+        if case.steps == 1 and any(f.stage == "scale" and not f.category for f in findings):
+            findings = _kept_scales(findings, candidate, case, recipe, device)
     # calls an H100 rejects: a finding of their GEMM (a crash there comes first: the GPU never gets further)
     for call, role, category, message in problems:
         gemm = next((g for g in call.gemm.split("|") if g in GEMMS), None)
@@ -589,6 +591,26 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
                              message=f"matches the exact emulation with {m.description} ({m.db:.1f} dB; the correct "
                                      f"emulation: {m.correct_db:.1f} dB)") for m in matches]
     _evidence(result, plan, case, outcome, findings, matches, execution, data)
+
+
+def _kept_scales(findings: list[Finding], candidate, case: Case, recipe, device: str) -> list[Finding]:
+    """A first call's scale that no single mistake reproduces may be one kept from call to call (delayed
+    scaling: the first call gets an initial value, each later call the scale of the call before). A
+    second call tells: where its scale is the first call's (the stale_state hypothesis of
+    parity.diagnose), the unexplained scale of the first call is named so."""
+    twice = case.replace(steps=2)
+    data = make_data(twice, device)
+    host = data.on_host()
+    execution = execute(candidate, data, record=True, keep_data=True)
+    if not execution.calls:
+        return findings
+    calls = resolve_calls(execution.calls, host.steps, recipe, twice)
+    kept = {(f.gemm, f.operand): f for f in call_findings(calls, host.steps, recipe, twice)
+            if f.step == 1 and f.category == "stale_state" and f.stage == "scale"}
+    return [Finding(f.step, f.gemm, f.operand, "scale", f"{f.message}. On a second call ({twice.id}) {second.message}",
+                    "stale_state")
+            if f.stage == "scale" and not f.category and (second := kept.get((f.gemm, f.operand))) else f
+            for f in findings]
 
 
 def _gemms_of(calls) -> set[tuple[int, str]]:

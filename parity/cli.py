@@ -763,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in RUNS_YOUR_CODE and any(name and name not in BUILTINS for name in named):
         from parity.worker import warm_up
         on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        warm_up("cuda" if on_gpu else "cpu")  # code under test runs in workers: their imports run beside this process's
+        # code under test runs in workers: their imports run beside this process's
+        warm_up("cuda" if on_gpu else "cpu", RUNS_YOUR_CODE[args.command])
     try:
         return COMMANDS[args.command](args)
     except (ImplError, CaseError, UsageError, HistoryError, RecipeError, OutputError) as err:

@@ -82,6 +82,7 @@ class Hypothesis:
     description: str
     options: dict = field(default_factory=dict)
     source: str = "same"  # same, or one of MOVED's (where the operand's values come from)
+    amax_source: str = "same"  # where its amax comes from: same (its values'), or previous (delayed scaling)
 
     @property
     def keeps_high_precision(self) -> bool:
@@ -164,6 +165,9 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
         *([Hypothesis("scale", "every group scaled by the first group's amax (a scale indexed [0] and broadcast)",
                       {"first_amax": True})] if own_tile != (rows, inner) else []),
         MOVED["transposed"], MOVED["reshaped"], MOVED["reshaped_from_transpose"], MOVED["previous"],
+        Hypothesis("stale_state", "its scale from the previous call's amax, applied to this call's values (delayed "
+                                  "scaling: a scale computed in one call and kept for the next)",
+                   amax_source="previous"),
         *(Hypothesis(category, description, {"grid": grid}) for category, grid, description in (
             ("transpose", "transposed", "its grid of scales transposed"),
             ("transpose", "reshaped", "its grid of scales reinterpreted with reshape instead of transposed"),
@@ -310,6 +314,21 @@ class OperandSources:
     previous: StepData | None = None
     strided: StepData | None = None  # each non-contiguous operand read as if contiguous (None: all are)
 
+    def quantized(self, hypothesis: Hypothesis, gemm: str, role: str, cast: Cast, recipe: Recipe,
+                  shape: tuple[int, ...]) -> Quantized | None:
+        """The operand `hypothesis` says the GEMM got, or None where the hypothesis cannot apply (no
+        previous call, another shape, a tile that does not divide it)."""
+        source = self.view(gemm, role, hypothesis.source)
+        if source is None or tuple(source.shape) != tuple(shape):
+            return None
+        options = hypothesis.options
+        if hypothesis.amax_source != "same":
+            amax_of = self.view(gemm, role, hypothesis.amax_source)
+            if amax_of is None or tuple(amax_of.shape) != tuple(shape):
+                return None
+            options = {**options, "amax_of": amax_of}
+        return _quantize(source, cast, recipe, options)
+
     def view(self, gemm: str, role: str, source: str) -> torch.Tensor | None:
         base = {"same": self.step, "previous": self.previous, "strides_ignored": self.strided,
                 "transposed": self.step, "reshaped": self.step, "reshaped_from_transpose": self.step,
@@ -404,15 +423,13 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
         if hypothesis.keeps_high_precision:  # these values are fp8
             continue
-        source = sources.view(gemm, role, hypothesis.source)
-        q = None if source is None or tuple(source.shape) != (rows, inner) else \
-            _quantize(source, cast, recipe, hypothesis.options)
+        q = sources.quantized(hypothesis, gemm, role, cast, recipe, (rows, inner))
         # the values came in the recipe's format (compare_call checks it first): a mistake that ends in
         # another format is not theirs, even where its values coincide with theirs
         if q is None or q.fp8_dtype != cast.dtype or not _same(values, q.values.cpu()):
             continue
         if scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows, inner)):
-            stage = "scale" if hypothesis.category == "scale" else "bytes"
+            stage = "scale" if hypothesis.category == "scale" or hypothesis.amax_source != "same" else "bytes"
             return stage, hypothesis.category, hypothesis.description
         values_only = values_only or hypothesis
     if scales is None:
@@ -736,9 +753,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
             """Each mistake on one operand, the other as the recipe casts it: how near the result it comes."""
             shape = (a_hp if role == "a" else b_hp).shape
             for hypothesis in hypotheses:
-                source = sources.view(gemm_name, role, hypothesis.source)
-                q = None if source is None or source.shape != shape else \
-                    _quantize(source, cast, recipe, hypothesis.options)
+                q = sources.quantized(hypothesis, gemm_name, role, cast, recipe, shape)
                 if q is not None:
                     value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
                     scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))

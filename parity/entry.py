@@ -16,7 +16,11 @@ from __future__ import annotations
 import os
 import sys
 
-RUNS_YOUR_CODE = ("check", "bisect", "sweep")  # the commands that run an implementation in a worker
+# The commands that run an implementation in a worker, and how many fresh CUDA workers each wants at
+# once: the one its cases run in and, for check and bisect, one for the minimal case rerun alone
+# (state that earlier calls left). Spawned together, the second is ready when the first is: on the
+# H200 a bisect's triggers had waited 8-10 s for a second worker spawned only when the first was taken.
+RUNS_YOUR_CODE = {"check": 2, "bisect": 2, "sweep": 1}
 BUILTIN_PACKAGES = ("fp8_impl", "torchao", "emulated")  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
 
 
@@ -58,6 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     device = worker_device(argv)
     if device is not None:
         from parity.worker import warm_up  # standard library only: no torch yet
-        warm_up(device)
+        warm_up(device, RUNS_YOUR_CODE[argv[0]])
     from parity.cli import main as cli_main
     return cli_main(argv)

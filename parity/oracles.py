@@ -90,7 +90,7 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
              overflow_nan: bool = False, first_amax: bool = False, via_reciprocal: bool = False,
              scaled_dtype: torch.dtype = torch.float32, converted_to: torch.dtype | None = None,
              amax_dtype: torch.dtype | None = None, values_dtype: torch.dtype | None = None,
-             multiplier_dtype: torch.dtype | None = None) -> Quantized:
+             multiplier_dtype: torch.dtype | None = None, amax_of: torch.Tensor | None = None) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
 
     `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
@@ -110,7 +110,9 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     float32 tensor on the device: it converts it to the other operand's dtype), the fp8 values
     converted to another fp8 format afterwards (`converted_to`: rounded again, saturating there;
     the result's format is that one, the scale still the cast's), the amax taken from a copy rounded
-    to `amax_dtype`, the values rounded to `values_dtype` after the amax and before the scaling.
+    to `amax_dtype`, the values rounded to `values_dtype` after the amax and before the scaling,
+    the amax taken from another tensor of x's shape (`amax_of`: delayed scaling, where the scale
+    comes from the previous call's amax and is applied to this call's values).
     """
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
@@ -122,7 +124,8 @@ def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, a
     fmt = FORMATS[fp8_dtype]
     r, i = tile or cast.scaling.tile(rows, inner)
     tiles = x.reshape(rows // r, r, inner // i, i)
-    measured = tiles if amax_dtype is None else tiles.to(amax_dtype)
+    measured = tiles if amax_of is None else amax_of.reshape(x.shape).reshape(rows // r, r, inner // i, i)
+    measured = measured if amax_dtype is None else measured.to(amax_dtype)
     amax = (measured.abs() if absolute_amax else measured).amax(dim=(1, 3)).to(torch.float64)
     if first_amax:
         amax = amax[:1, :1].expand_as(amax)

@@ -196,18 +196,22 @@ def _spawn(context, device_type: str) -> _Process:
 
 # A fresh CUDA worker costs what a fresh interpreter costs: torch's, the harness's and torchao's
 # imports and a CUDA context, about 10 s on the H200 machine, and a bisect needs several (one per
-# case it must run alone, one after each death). The CPU has its fork server for that; the GPU has
-# one spare per device type, spawned in the background whenever a CUDA worker starts, so the
+# case it must run alone, one after each death). The CPU has its fork server for that; the GPU keeps
+# spares, spawned in the background (whenever a CUDA worker starts, one to replace it), so the
 # next fresh worker is ready when asked for. A spare that is never used dies with this process
 # (daemonic: multiprocessing terminates it at exit).
-_SPARES: dict[str, _Process] = {}
+_SPARES: dict[str, list[_Process]] = {}
 
 
-def prestart(device_type: str) -> None:
-    """Spawn the spare worker of `device_type` now, unless one is waiting (CUDA only: CPU workers fork
-    from the fork server at once)."""
-    if device_type == "cuda" and not (device_type in _SPARES and _SPARES[device_type].process.is_alive()):
-        _SPARES[device_type] = _spawn(_context(device_type), device_type)
+def prestart(device_type: str, count: int = 1) -> None:
+    """Have `count` spare workers of `device_type` started (CUDA only: CPU workers fork from the fork
+    server at once); those missing are spawned now, side by side."""
+    if device_type != "cuda":
+        return
+    alive = [spare for spare in _SPARES.get(device_type, []) if spare.process.is_alive()]
+    alive += [_spawn(_context(device_type), device_type) for _ in range(count - len(alive))]
+    _SPARES[device_type] = alive
+
 
 def _signal_name(number: int) -> str:
     try:
@@ -239,12 +243,12 @@ def _main_not_rerun():
             sys.modules["__main__"] = main
 
 
-def warm_up(device_type: str = "cpu") -> None:
-    """Start the CPU workers' fork server, or the first spare CUDA worker, now, so that its imports
-    run while this process does its own (a command calls this first thing: seconds saved on a
-    two-core laptop, and a CUDA worker's start on a GPU machine)."""
+def warm_up(device_type: str = "cpu", workers: int = 1) -> None:
+    """Start the CPU workers' fork server, or the first `workers` spare CUDA workers, now, so that
+    their imports run while this process does its own (a command calls this first thing: seconds
+    saved on a two-core laptop, and a CUDA worker's start on a GPU machine)."""
     if device_type == "cuda":
-        prestart("cuda")
+        prestart("cuda", workers)
         return
     from multiprocessing import forkserver
     _context("cpu")
@@ -280,8 +284,10 @@ class Worker:
     def _start(self) -> None:
         self._sent: set[str] = set()
         self._unlink_output()
-        spare = _SPARES.pop(self.device_type, None)
-        if spare is None or not spare.process.is_alive():
+        waiting = [spare for spare in _SPARES.pop(self.device_type, []) if spare.process.is_alive()]
+        spare = waiting.pop(0) if waiting else None
+        _SPARES[self.device_type] = waiting
+        if spare is None:
             spare = _spawn(self._context, self.device_type)
         self._process, self._conn, self._phase, self._output = spare.process, spare.conn, spare.phase, spare.output
         prestart(self.device_type)  # the next fresh worker (after a death, for a case alone) starts now

@@ -160,3 +160,29 @@ def test_the_entry_point_starts_no_worker_for_a_builtin(name):
 def test_the_entry_point_reads_which_worker_a_command_needs(argv, device):
     from parity.entry import worker_device
     assert worker_device(argv) == device
+
+
+def test_cuda_spares_are_spawned_side_by_side_and_each_taken_one_is_replaced(monkeypatch):
+    # no GPU needed: the spawn is replaced by a stand-in that counts processes
+    from types import SimpleNamespace
+    from parity import worker
+    spawned = []
+
+    def spawn(context, device_type):
+        process = SimpleNamespace(process=SimpleNamespace(is_alive=lambda: True), conn=None, phase=None,
+                                  output=None)
+        spawned.append(process)
+        return process
+    monkeypatch.setattr(worker, "_spawn", spawn)
+    monkeypatch.setattr(worker, "_SPARES", {})
+    monkeypatch.setattr(worker, "_context", lambda device_type: None)
+    worker.warm_up("cuda", 2)  # check and bisect: the runner and a fresh worker for the case alone
+    assert len(spawned) == 2
+    runner = worker.Worker("cuda")
+    runner._start()
+    assert runner._process is spawned[0].process and len(spawned) == 2  # one left waiting: none spawned
+    fresh = worker.Worker("cuda")
+    fresh._start()
+    assert fresh._process is spawned[1].process and len(spawned) == 3  # the last taken: its replacement
+    worker.prestart("cpu", 4)  # CPU workers fork from the fork server: no spare
+    assert len(spawned) == 3
