@@ -17,10 +17,12 @@ import os
 import sys
 
 # The commands that run an implementation in a worker, and how many fresh CUDA workers each wants at
-# once: the one its cases run in and, for check and bisect, one for the minimal case rerun alone
-# (state that earlier calls left). Spawned together, the second is ready when the first is: on the
-# H200 a bisect's triggers had waited 8-10 s for a second worker spawned only when the first was taken.
-RUNS_YOUR_CODE = {"check": 2, "bisect": 2, "sweep": 1}
+# once: the one its cases run in; for check and bisect one for the minimal case rerun alone (state
+# that earlier calls left); for bisect one more, for that rerun when a rounding of the scales makes it
+# localize again (bisect's step 4). Spawned together, each is ready when the first is: on the H200 a
+# bisect's triggers had waited 5-10 s for a worker spawned only when the one before was taken. (No
+# more processes than before: taking a worker spawns its replacement anyway, only later.)
+RUNS_YOUR_CODE = {"check": 2, "bisect": 3, "sweep": 1}
 BUILTIN_PACKAGES = ("fp8_impl", "torchao", "emulated")  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
 
 
