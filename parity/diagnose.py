@@ -455,13 +455,14 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
     if data is None:
         return out
     # torchao's form of an axis-scaled GEMM without fast accumulation: unit scales in the call,
-    # the row and column scales multiplied into the result afterwards (checked by the results). The
-    # call's own flag decides: a GEMM that asks for no fast accumulation where the recipe wants it
-    # takes this form too, and then differs in that flag alone
+    # the row and column scales multiplied into the result afterwards (checked by the results). Either
+    # flag admits it: a GEMM that asks for no fast accumulation where the recipe wants it takes this
+    # form too, and so does one the recipe runs in this form that asks for fast accumulation; each
+    # then differs in that flag alone (which a CPU ignores: "only on the GPU")
     unit_scales = (data.scale_a.numel() == 1 and data.scale_b.numel() == 1
                    and float(data.scale_a.reshape(())) == 1.0 and float(data.scale_b.reshape(())) == 1.0)
-    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and not call.use_fast_accum
-                 and unit_scales)
+    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and unit_scales
+                 and not (call.use_fast_accum and spec.fast_accum))
     operands_differ = scales_elsewhere = False
     b_as_rows = data.b.t() if data.b.dim() == 2 else data.b
     swapped = _computes_the_transpose(call, b_as_rows, spec, recipe, sources)

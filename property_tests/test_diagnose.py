@@ -21,7 +21,8 @@ from parity.recipes import RECIPES
 
 USER_CODE = textwrap.dedent('''
     import torch
-    from fp8_impl import float8_matmul
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from fp8_impl import Float8LinearConfig, float8_matmul
 
 
     def bf16_linear(input_2d, weight):
@@ -66,6 +67,34 @@ USER_CODE = textwrap.dedent('''
         config = Float8LinearConfig.from_recipe_name("rowwise")
         config = dataclasses.replace(config, output=dataclasses.replace(config.output, fast_accum=False))
         return float8_matmul(input_2d, weight, config=config)
+
+
+    class _UnitScaleCallsFast(TorchDispatchMode):
+        """Every _scaled_mm call with unit scales asks for fast accumulation."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is torch.ops.aten._scaled_mm.default and args[2].numel() == 1 and float(args[2]) == 1.0:
+                args = (*args[:7], True) if len(args) > 7 else args
+                kwargs = kwargs if len(args) > 7 else {**kwargs, "use_fast_accum": True}
+            return func(*args, **kwargs)
+
+
+    from fp8_impl.matmul import _Float8Matmul
+
+
+    class _RowwiseGradGemmsFast(_Float8Matmul):
+        """fp8_impl's GEMMs; in the backward its unit-scale calls (torchao's form of a rowwise GEMM without
+        fast accumulation) ask for it."""
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            with _UnitScaleCallsFast():
+                return _Float8Matmul.backward(ctx, grad_output)
+
+
+    def rowwise_grad_gemms_fast(input_2d, weight):
+        return _RowwiseGradGemmsFast.apply(input_2d, weight, Float8LinearConfig.from_recipe_name("rowwise"))
 
 
     def operands_rounded_to_bf16(input_2d, weight):
@@ -434,14 +463,15 @@ def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, mo
     assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash["message"], result.crash
 
 
-def test_fast_accumulation_off_in_torchaos_unit_scale_form_is_all_a_cpu_can_show(user_file):
+@pytest.mark.parametrize("name", ["rowwise_output_without_fast_accum", "rowwise_grad_gemms_fast"])
+def test_fast_accumulation_flag_in_torchaos_unit_scale_form_is_all_a_cpu_can_show(user_file, name):
     """Without fast accumulation a rowwise GEMM runs torchao's way (unit scales, row scales after): where the
-    recipe wants fast accumulation the flag is then the only difference, marked as one only a GPU's numbers
-    show (bisect on the H200 names "only on the GPU" from it)."""
+    recipe wants fast accumulation the flag is then the only difference, and so it is where a GEMM the recipe
+    runs that way asks for it; either is marked as one only a GPU's numbers show (bisect on the H200 names
+    "only on the GPU" from it; held-out set 15's h15_b32 had the unit scales reported beside the flag)."""
     from parity.bisect import _is_gpu_lint
     from parity.check import run_check
-    result = run_check(CheckPlan.make(load_impl(f"{user_file}:rowwise_output_without_fast_accum", recipe="rowwise")),
-                       max_examples=10)
+    result = run_check(CheckPlan.make(load_impl(f"{user_file}:{name}", recipe="rowwise")), max_examples=10)
     assert result.verdict == "fail" and result.violations
     assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
 
