@@ -501,6 +501,10 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
                                     f"crash)", "contract"))
     # GEMMs whose calls are the recipe's but whose results are not: the result stage
     bounded = {(v.step, v.tensor) for v in numeric if v.metric in ("accumulation_bound", "nonfinite")}
+    # a grad_bias that breaks nn.Linear's contract: the bias is the output GEMM's, whose result is then
+    # explained even within the bound (a GPU's is loose enough to hide a dropped bias)
+    if host.bias is not None:
+        bounded |= {(v.step, "output") for v in outcome.violations if v.tensor == "grad_bias"}
     flagged = {(f.step, f.gemm) for f in findings}
     for step_index, gemm in sorted(bounded, key=lambda k: (k[0], _gemm_order(k[1]))):
         if gemm not in GEMMS or (step_index, gemm) in flagged or step_index >= len(execution.steps) \
@@ -578,8 +582,9 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
     if crashes and not numeric:
         gemms = _crash_gemms(crashes[0], execution, recipe)
         result.method = "crash"
-    if not gemms:
-        gemms = sorted({v.tensor for v in outcome.violations if v.tensor in GEMMS}, key=_gemm_order)
+    if not gemms:  # grad_bias is the output GEMM's (its bias)
+        gemms = sorted({"output" if v.tensor == "grad_bias" else v.tensor for v in outcome.violations} & set(GEMMS),
+                       key=_gemm_order)
     if not gemms and problems:
         gemms = sorted({g for call, *_ in problems for g in call.gemm.split("|") if g in GEMMS}, key=_gemm_order)
     result.gemm, result.first = gemms, gemms[0] if gemms else None

@@ -69,6 +69,21 @@ USER_CODE = textwrap.dedent('''
         return float8_matmul(input_2d, weight, config=config)
 
 
+    class BiasDropped(torch.nn.Linear):
+        """fp8_impl's tensorwise GEMMs; from_float builds the layer without the bias (and never copies it)."""
+
+        @classmethod
+        def from_float(cls, linear):
+            module = cls(linear.in_features, linear.out_features, bias=False, device=linear.weight.device,
+                         dtype=linear.weight.dtype)
+            module.weight = linear.weight
+            return module
+
+        def forward(self, input):
+            return float8_matmul(input.reshape(-1, input.shape[-1]), self.weight).reshape(
+                *input.shape[:-1], self.out_features)
+
+
     class _UnitScaleCallsFast(TorchDispatchMode):
         """Every _scaled_mm call with unit scales asks for fast accumulation."""
 
@@ -427,6 +442,16 @@ def test_a_gemm_inside_a_loose_bound_yet_near_a_mistake_is_named_first(user_file
                       max_examples=30, isolate=False)
     assert (result.first, result.category, result.operand) == ("output", "fp8_dtype", "weight"), result.evidence
     assert any("within the accumulation bound here" in line for line in result.evidence), result.evidence
+
+
+def test_a_dropped_bias_inside_a_loose_bound_is_the_output_gemms(user_file, monkeypatch):
+    """A bias never copied: on a GPU the output can stay inside the tensor cores' loose bound, and then
+    only grad_bias (None) breaks nn.Linear's contract; the bias is the output GEMM's (held-out set 15's
+    h15_b36 came back with no GEMM on the H200). The H200's bound, applied on the CPU in this process."""
+    monkeypatch.setattr(oracles, "accumulation_gamma", lambda inner_dim, *, device_type, fast_accum: 1.0)
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:BiasDropped")), max_examples=30, isolate=False)
+    assert (result.first, result.category, result.operand) == ("output", "contract", "result"), result.evidence
+    assert any("only with a bias" in trigger for trigger in result.trigger), result.trigger
 
 
 def test_a_missing_gradient_is_a_contract_finding_not_a_harness_error(user_file):
