@@ -660,6 +660,9 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
         candidates.append(("transpose", "the result transposed", with_bias(exact.t())))
     candidates.append(("transpose", "the result reshaped from the transposed product",
                        with_bias(exact.t().contiguous().reshape(exact.shape))))
+    if exact.shape[0] != exact.shape[1]:  # (square: the reshape changes nothing)
+        candidates.append(("transpose", "the result reshaped to its transpose's shape where a transpose belongs "
+                           "(and transposed back)", with_bias(exact.reshape(exact.shape[1], exact.shape[0]).t())))
     if b is not None:
         candidates += [("contract", "the bias added twice", with_bias(exact, 2)),
                        ("contract", "the bias dropped", exact)]

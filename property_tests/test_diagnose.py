@@ -54,6 +54,23 @@ USER_CODE = textwrap.dedent('''
             return grad
 
 
+    class _ReshapedWeightGrad(torch.autograd.Function):
+        """Passes the weight through; its gradient comes back reshaped to [K, N] where a transpose belongs,
+        then transposed (a function that takes the weight as weight.t() and reshapes its gradient back)."""
+
+        @staticmethod
+        def forward(ctx, weight):
+            return weight.view_as(weight)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.reshape(grad.shape[1], grad.shape[0]).t()
+
+
+    def grad_weight_reshaped(input_2d, weight):
+        return float8_matmul(input_2d, _ReshapedWeightGrad.apply(weight))
+
+
     def one_ulp_off(input_2d, weight):
         """fp8_impl with one grad_weight element a single ulp away: an honest rounding difference."""
         return float8_matmul(input_2d, _NudgeWeightGrad.apply(weight))
@@ -452,6 +469,14 @@ def test_a_dropped_bias_inside_a_loose_bound_is_the_output_gemms(user_file, monk
     result = localize(CheckPlan.make(load_impl(f"{user_file}:BiasDropped")), max_examples=30, isolate=False)
     assert (result.first, result.category, result.operand) == ("output", "contract", "result"), result.evidence
     assert any("only with a bias" in trigger for trigger in result.trigger), result.trigger
+
+
+def test_a_result_reshaped_where_a_transpose_belongs_is_named(user_file):
+    """grad_weight [N, K] reshaped to [K, N] instead of transposed, then transposed back: a transpose of the
+    result, after its GEMM (held-out set 15's h15_b01 was `unknown`: only the other order was tried)."""
+    result = bisect(user_file, "grad_weight_reshaped")
+    assert (result.first, result.category, result.operand) == ("grad_weight", "transpose", "result"), \
+        result.evidence
 
 
 def test_a_missing_gradient_is_a_contract_finding_not_a_harness_error(user_file):
