@@ -623,16 +623,19 @@ def _gemms_of(calls) -> set[tuple[int, str]]:
     return {(call.step, gemm) for call in calls for gemm in call.gemm.split("|") if gemm in GEMMS}
 
 
-def _rejected(execution) -> set[tuple[int, str]]:
-    """(step, GEMM) of each recorded call the kernel raised on."""
-    return _gemms_of(call for call in execution.calls if call.raised)
+def _rejected(execution, crash: Violation) -> set[tuple[int, str]]:
+    """(step, GEMM) of each recorded call the kernel raised on that is the crash: its exception is the one
+    that ended the case (a call rejected and caught, as code that falls back to its own GEMM on a CPU
+    does, is not)."""
+    ended = f"{crash.value} {crash.message}"
+    return _gemms_of(call for call in execution.calls if call.raised and call.error in ended)
 
 
 def _crash_gemms(crash: Violation, execution, recipe) -> list[str]:
     """The GEMM a crash happened in: that of a call the kernel rejected; else the forward's; in the
     backward, the first backward GEMM that made no recorded call (the calls made before the crash
     are the GEMMs that ran)."""
-    rejected = sorted(_rejected(execution), key=lambda key: (key[0], _gemm_order(key[1])))
+    rejected = sorted(_rejected(execution, crash), key=lambda key: (key[0], _gemm_order(key[1])))
     if rejected:  # the kernel raised on this call
         return [rejected[0][1]]
     where = str(crash.value)
@@ -692,7 +695,7 @@ def _classify(result: Localization, outcome: Outcome, findings: list[Finding], m
         # counts only where the kernel rejected it for a rule that names a class (its operands' memory order,
         # their fp8 formats: cuBLASLt's layout and e5m2 x e5m2 rules): then what that call was handed is the
         # bug, and the crash its symptom. A scale tensor the kernel refuses is the crash itself.
-        rejected = _rejected(execution) - _gemms_of(call for call, _, category, _ in problems
+        rejected = _rejected(execution, crashes[0]) - _gemms_of(call for call, _, category, _ in problems
                                                     if call.raised and category in NAMED_BY_REJECTION)
         explained = [f for f in explained if (f.step, f.gemm) not in rejected]
         if explained:

@@ -89,6 +89,7 @@ class ScaledMMCall:
     step: int = 0
     data: CallData | None = field(default=None, compare=False, repr=False)
     raised: bool = False  # the kernel rejected the call: no result came of it
+    error: str = field(default="", compare=False)  # what it raised (first line), to tell the crash it caused
 
     def describe(self) -> str:
         def operand(name, shape, stride, dtype):
@@ -165,8 +166,9 @@ class ScaledMMRecorder(TorchDispatchMode):
             index = len(self.calls) - 1
             try:
                 return func(*args, **kwargs)
-            except BaseException:
-                self.calls[index] = replace(self.calls[index], raised=True)
+            except BaseException as err:
+                self.calls[index] = replace(self.calls[index], raised=True,
+                                            error=(str(err).strip().splitlines() or [""])[0][:300])
                 raise
         kernel = custom_op_kernel(func, args)
         if kernel is not None:  # a torch.library custom op: its body runs here, its calls come through this mode

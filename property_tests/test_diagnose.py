@@ -71,6 +71,38 @@ USER_CODE = textwrap.dedent('''
         return float8_matmul(input_2d, _ReshapedWeightGrad.apply(weight))
 
 
+    class _FallbackThenBackwardRaises(torch.autograd.Function):
+        """Blockwise; the forward tries the device's block-scaled kernel first and falls back when there is
+        none (a CPU rejects the call: blockwise code does this), then runs fp8_impl's GEMM; the backward
+        raises."""
+
+        @staticmethod
+        def forward(ctx, input_2d, weight):
+            import torch.nn.functional as F
+            from fp8_impl.matmul import _cast_for_gemm, _col_major, _gemm, _row_major
+            config = Float8LinearConfig.from_recipe_name("blockwise")
+            pow2 = config.round_scales_to_power_of_2
+            (x, scale_x), (w, scale_w) = (_cast_for_gemm(input_2d, config.output.a, pow2),
+                                          _cast_for_gemm(weight, config.output.b, pow2))
+            a, b, scale_b = _row_major(x), _col_major(w.t()), scale_w.t()
+            padded = scale_b.new_ones(scale_b.shape[1], -(-scale_b.shape[0] // 4) * 4).t()  # K/128 padded to 4
+            padded[: scale_b.shape[0]] = scale_b
+            try:
+                F.scaled_mm(a, b, scale_x, F.ScalingType.BlockWise1x128, padded, F.ScalingType.BlockWise128x128,
+                            output_dtype=torch.bfloat16)
+            except (RuntimeError, ValueError, NotImplementedError):
+                pass
+            return _gemm(a, scale_x, b, scale_b, config.output, input_2d.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("this backward is not written yet")
+
+
+    def fallback_then_backward_raises(input_2d, weight):
+        return _FallbackThenBackwardRaises.apply(input_2d, weight)
+
+
     def one_ulp_off(input_2d, weight):
         """fp8_impl with one grad_weight element a single ulp away: an honest rounding difference."""
         return float8_matmul(input_2d, _NudgeWeightGrad.apply(weight))
@@ -477,6 +509,15 @@ def test_a_result_reshaped_where_a_transpose_belongs_is_named(user_file):
     result = bisect(user_file, "grad_weight_reshaped")
     assert (result.first, result.category, result.operand) == ("grad_weight", "transpose", "result"), \
         result.evidence
+
+
+def test_a_rejected_call_caught_by_the_code_is_not_the_crash(user_file):
+    """A call the kernel rejects and the code catches (a fallback) did not end the case: the backward's
+    crash is a backward GEMM's (held-out set 15's h15_b48 was put in the output GEMM on the CPU, where its
+    blockwise calls are rejected and caught)."""
+    result = localize(CheckPlan.make(load_impl(f"{user_file}:fallback_then_backward_raises", recipe="blockwise")),
+                      max_examples=30)
+    assert (result.first, result.category) == ("grad_input", "crash"), result.evidence
 
 
 def test_a_missing_gradient_is_a_contract_finding_not_a_harness_error(user_file):
