@@ -246,8 +246,9 @@ def localize(plan: CheckPlan, *, device: str = "cpu", case: Case | None = None, 
     diagnosis, which runs it many times, within four times that): a death or a hang there is
     evidence, never the end of the localization."""
     with isolation(plan.comparisons, device, isolate) as runner:
-        # the check's worker takes the process the command started first thing (parity.entry); a second,
-        # started now while the check runs, is for the minimal case alone in a fresh process
+        # the check's worker and a second, for the minimal case alone in a fresh process, take the processes
+        # the command spawned first thing (parity.entry: on a GPU they start side by side, before this
+        # process imports torch); taking each spawns its replacement
         spare = None
         if runner is not None:
             runner.start()
