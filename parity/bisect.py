@@ -41,12 +41,12 @@ from parity.cases import INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
 from parity.check import CheckPlan, run_check
 from parity.contract import ScaledMMCall, contract_violations, expected_contract, sm90_problems
 from parity.data import make_data
-from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, RECIPROCAL_SCALES, Finding, Match, call_findings,
-                             diagnose_behaviour, explain_result, gemm_inverse_scales, high_precision_closeness,
-                             resolve_calls, strides_ignored)
+from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Finding, Match, call_findings, diagnose_behaviour,
+                             explain_result, gemm_inverse_scales, high_precision_closeness, resolve_calls)
 from parity.env import environment
 from parity.impls import builtin_for_recipe, load_impl, with_reciprocal_scales
 from parity.metrics import compare
+from parity.mistakes import RECIPROCAL_SCALES, strides_ignored
 from parity.policy import CPU_IGNORES, Violation
 from parity.recipes import GEMMS, OPERANDS
 from parity.relations import (RELATIONS, check_layout_invariance, check_relation, check_weight_update,

@@ -15,7 +15,8 @@ from parity.bisect import localize
 from parity.cases import Case
 from parity.check import CheckPlan
 from parity.data import make_data
-from parity.diagnose import explain_operand, OperandSources, operand_hypotheses
+from parity.diagnose import explain_operand
+from parity.mistakes import OperandSources, operand_hypotheses
 from parity.impls import load_impl
 from parity.recipes import RECIPES
 
@@ -691,7 +692,7 @@ def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe
             source = sources.view("output", role, hypothesis.source)
             if source is None or hypothesis.keeps_high_precision:  # not fp8: a recorded call's dtype says it
                 continue
-            from parity.diagnose import _quantize
+            from parity.mistakes import quantize_mistaken as _quantize
             q = _quantize(source, cast, RECIPES[recipe], hypothesis.options)
             correct = _quantize(sources.view("output", role, "same"), cast, RECIPES[recipe], {})
             if q is None or (torch.equal(q.values, correct.values) and torch.equal(q.inv_scale, correct.inv_scale)):
