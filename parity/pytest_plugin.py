@@ -7,7 +7,8 @@ repository.
 
 Options (all prefixed, so they never collide with yours):
     --fp8-impl X        the implementation under test (default fp8_impl); with no test paths on the
-                        command line, pytest runs the shipped suite (property_tests/test_properties.py)
+                        command line, pytest runs the shipped suite (the installed package
+                        parity.property_suite: property_tests/suite/ in a checkout)
     --fp8-recipe R      the recipe it implements (default tensorwise for your own code)
     --fp8-against REF   its reference (default: its recipe's, torchao's tensorwise for fp8_impl)
     --fp8-device D      auto (default: cuda with an FP8 GPU, else cpu), cpu or cuda
@@ -25,6 +26,7 @@ Strategies for your own tests: parity.strategies.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -47,8 +49,33 @@ PROFILES = {
 for _name, _options in PROFILES.items():
     settings.register_profile(_name, **_options, **_COMMON)
 
-SHIPPED_SUITE = Path(__file__).resolve().parents[1] / "property_tests" / "test_properties.py"
+SUITE_PACKAGE = "parity.property_suite"  # pyproject.toml's package-dir maps it to property_tests/suite/
 GPU_SKIP_REASON = "needs a CUDA device with FP8 support (compute capability >= 8.9)"
+
+
+class SuiteNotInstalled(ImplError):
+    """The shipped suite cannot be imported (parity runs from a checkout that was not pip-installed). An
+    ImplError, like an implementation that does not load: every command reports it in one line."""
+
+
+def shipped_suite() -> Path:
+    """The shipped suite's test file, wherever pip put the package parity.property_suite (an editable
+    install maps it to the checkout's property_tests/suite/)."""
+    spec = importlib.util.find_spec(SUITE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SuiteNotInstalled(
+            f"the shipped property suite (package {SUITE_PACKAGE}) is not importable: parity runs from "
+            f"{Path(__file__).resolve().parent} without `pip install`; run `pip install -e .` in that checkout, "
+            f"or name the suite's file: pytest property_tests/suite/test_properties.py --fp8-impl ...")
+    return Path(next(iter(spec.submodule_search_locations))) / "test_properties.py"
+
+
+def __getattr__(name: str):
+    # SHIPPED_SUITE is found when it is used (fp8-parity test, a failure's rerun line), not at import: the
+    # plugin loads in every pytest run, also where the suite is not importable and nobody asked for it
+    if name == "SHIPPED_SUITE":
+        return shipped_suite()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fp8_gpu_available() -> bool:
@@ -95,7 +122,10 @@ def pytest_configure(config):
         settings.load_profile("fp8-rerun")
     impl = config.getoption("--fp8-impl")
     if impl and not config.option.file_or_dir:  # `pytest --fp8-impl X`: the shipped suite
-        config.args[:] = [str(SHIPPED_SUITE)]
+        try:
+            config.args[:] = [str(shipped_suite())]
+        except SuiteNotInstalled as err:
+            raise pytest.UsageError(str(err)) from None
     device = config.getoption("--fp8-device")
     if device == "auto":
         device = "cuda" if fp8_gpu_available() else "cpu"

@@ -99,7 +99,7 @@ class Suite:
         return outcome
 
     def rerun_command(self, case: Case) -> str:
-        current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests").split(" ")[0]
+        current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests/suite/test_properties.py").split(" ")[0]
         if current.startswith("::"):  # the shipped suite run from another repository: its node id has no path
             from parity.pytest_plugin import SHIPPED_SUITE
             current = f"{SHIPPED_SUITE}{current}"

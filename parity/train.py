@@ -678,7 +678,7 @@ def _save_divergence(divergence: Divergence, cand: Run, ref: Run, previous: dict
     return write_case_file(Path(out_dir) / file_name, calls, meta=meta)
 
 
-# ---- plain training: what the statistics are measured against (property_tests/train_cost.py) ------
+# ---- plain training: what the statistics are measured against (evals/scoring/train_cost.py) ------
 
 def run_plain(plan: TrainPlan, roles: tuple[str, ...] = ROLES) -> dict:
     """The plan's runs of `roles` trained in lockstep WITHOUT probes, comparisons or numerics: each

@@ -15,7 +15,7 @@ from parity.check import CheckPlan, run_check
 from parity.cli import main
 from parity.impls import load_impl
 from parity.policy import Policy
-from property_tests.mutants import MUTANTS
+from evals.zoo.mutants import MUTANTS
 
 TORCHAO = "torchao:tensorwise"
 CPU_MUTANTS = [m for m in MUTANTS if not m.gpu_only and m.recipe == "tensorwise"]
@@ -74,14 +74,14 @@ def test_zoo_covers_every_bug_class():
 
 def test_correct_implementation_has_nothing_to_localize(capsys):
     # one case: the search's passing path is check's (test_check.py); here, what bisect says after it
-    assert main(["bisect", "--impl", "property_tests/mutants.py:correct", "--case", "M32K64N48|normal|seed0",
+    assert main(["bisect", "--impl", "evals/zoo/mutants.py:correct", "--case", "M32K64N48|normal|seed0",
                  "--device", "cpu"]) == 0
     assert "nothing to localize" in capsys.readouterr().out
 
 
 def test_bisect_json_schema(tmp_path):
     out = tmp_path / "bisect.json"
-    assert main(["bisect", "--impl", "property_tests/mutants.py:weight_e5m2", "--device", "cpu",
+    assert main(["bisect", "--impl", "evals/zoo/mutants.py:weight_e5m2", "--device", "cpu",
                  "--json", str(out)]) == 1
     result = json.loads(out.read_text())
     assert {"verdict", "gemm", "operand", "category", "trigger", "minimal_case", "evidence"} <= set(result)

@@ -15,9 +15,9 @@ from parity.env import torchao_version
 from parity.cli import main
 from parity.impls import load_impl
 from parity.policy import Policy
-from property_tests.mutants import BY_NAME
+from evals.zoo.mutants import BY_NAME
 
-MUTANTS = "property_tests/mutants.py"
+MUTANTS = "evals/zoo/mutants.py"
 JSON_KEYS = {"verdict", "impl", "reference", "policy", "device", "cases_run", "seconds", "minimal_case", "failures",
              "error", "rerun", "env", "recipe", "skipped", "note"}
 FAILURE_KEYS = {"case_id", "tensor", "step", "metric", "value", "allowed", "message"}

@@ -1,5 +1,5 @@
 """The hostile corpus: implementations that exit, hang, crash, spam, mutate their arguments or
-corrupt torch's global state (property_tests/hostile/, described entry by entry in its
+corrupt torch's global state (evals/hostile/, described entry by entry in its
 manifest.json), and bad command lines. Each entry runs through the CLI as a user would and must
 end with its stated exit code, a first line that says what happened, the specific finding, and no
 traceback. A run that was cut short must never read as a pass.
@@ -32,7 +32,7 @@ from parity.impls import load_impl
 from parity.report import ADDED_LATER, write_report
 from parity.runner import all_pairs, run_cases
 
-HOSTILE = Path(__file__).parent / "hostile"
+HOSTILE = Path(__file__).resolve().parents[1] / "evals" / "hostile"
 MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
 CASE = "M16K32N16"  # one small case: the corpus is about what the code does, not about numerics
 MAX_OUTPUT = 20_000  # characters: more means the implementation's own printing reached the user
@@ -46,7 +46,7 @@ class Expect:
     timeout: float = 20.0  # --timeout of the check (a hang must end within it)
 
 
-FAIL = r"^FAIL: property_tests/hostile/"
+FAIL = r"^FAIL: evals/hostile/"
 CRASH = r"\[crash\] the implementation "
 STATE = r"\[contract\] output: the implementation changed global state: "
 

@@ -12,7 +12,7 @@ from parity.cases import Case
 from parity.impls import BUILTINS, Form, ImplError, detect_form, load_impl
 from parity.recipes import RecipeError
 
-MUTANTS = "property_tests/mutants.py"
+MUTANTS = "evals/zoo/mutants.py"
 
 
 @pytest.mark.parametrize(("spec", "form"), [

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-ZOO = Path(__file__).parent / "mutants.py"
 REPO = Path(__file__).resolve().parents[1]
+ZOO = REPO / "evals" / "zoo" / "mutants.py"
 USER_TEST = textwrap.dedent('''
     from hypothesis import Phase, given, settings
 
@@ -172,6 +172,7 @@ def test_a_scratch_repository_that_pip_installs_this_one_fails_a_planted_bug(scr
         assert "FAILED ::test_parity_with_reference - " in done.stdout and "1 failed, 1 passed" in done.stdout, output
         assert "is not at parity with torchao:tensorwise" in done.stdout, output
         rerun = f"python -m pytest {scratch_venv.parents[1]}/lib/"  # the installed suite ran, not this checkout's
-        assert rerun in done.stdout and "/site-packages/property_tests/test_properties.py::" in done.stdout, output
+        installed_suite = "/site-packages/parity/property_suite/test_properties.py::"  # parity's, not property_tests
+        assert rerun in done.stdout and installed_suite in done.stdout, output
     else:
         assert "2 passed" in done.stdout, output

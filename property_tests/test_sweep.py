@@ -68,11 +68,11 @@ def test_sweep_writes_a_report_and_reports_round_trip(tmp_path, capsys, monkeypa
 
 def test_sweep_exits_1_when_the_candidate_loses_parity(tmp_path, capsys):
     code = main(["sweep", "--preset", "quick", "--samples", "0", "--device", "cpu", "--quiet", "--out",
-                 str(tmp_path), "--impl", "property_tests/mutants.py:weight_scale_bf16"])
+                 str(tmp_path), "--impl", "evals/zoo/mutants.py:weight_scale_bf16"])
     out = capsys.readouterr().out
     assert code == 1 and out.startswith("FAIL")
     # a failing report ends with what to run next: bisect on the smallest failing case
-    command = "fp8-parity bisect --impl property_tests/mutants.py:weight_scale_bf16 --case 'M"
+    command = "fp8-parity bisect --impl evals/zoo/mutants.py:weight_scale_bf16 --case 'M"
     assert out.splitlines()[1].startswith(f"next: {command}"), out
     summary = (tmp_path / "summary.md").read_text().rstrip().splitlines()
     assert summary[-3] == "## What to run next" and summary[-1].startswith(f"`{command}"), summary[-3:]
@@ -98,7 +98,7 @@ AGREEMENT_CASES = [Case(lead=(32,), K=64, N=48, input_layout="T"), Case(lead=(12
 
 @pytest.mark.parametrize("impl", ["fp8_impl", "fp8_impl:rowwise", "fp8_impl:rowwise_with_gw_hp", "fp8_impl:blockwise",
                                   "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16",
-                                  "property_tests/mutants.py:weight_scale_bf16"])
+                                  "evals/zoo/mutants.py:weight_scale_bf16"])
 def test_check_and_sweep_agree_on_every_builtin_pair(impl):
     """One verdict path: for every (implementation, reference) pair the sweep makes, `check` on the
     same cases reaches the same verdict, and the report's verdict is their conjunction."""
@@ -119,4 +119,4 @@ def test_check_and_sweep_agree_on_every_builtin_pair(impl):
             f"{impl} vs {comparison.reference.name}: check {checked.verdict}, sweep {'pass' if swept else 'fail'}")
         verdicts.append(swept)
     assert verdict(frame, candidate=candidate.name).ok == all(verdicts)
-    assert all(verdicts) == (impl != "property_tests/mutants.py:weight_scale_bf16")
+    assert all(verdicts) == (impl != "evals/zoo/mutants.py:weight_scale_bf16")

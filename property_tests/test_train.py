@@ -25,7 +25,7 @@ from parity.model import GPT, GPTConfig, MarkovSource, ModelError, TokenFile, ge
 from parity.train import TrainError, TrainPlan, run_training
 from parity.train_report import layer_step_grid, write_train_report
 
-FAULTS = Path(__file__).resolve().parent / "train_faults.py"
+FAULTS = Path(__file__).resolve().parents[1] / "evals" / "zoo" / "train_faults.py"
 STALE_CACHE = f"{FAULTS}:stale_weight_cache"
 SKIPS_A_LAYER = f"{FAULTS}:skips_a_layer"
 PREVIOUS_AMAX = f"{FAULTS}:scale_from_previous_amax"
@@ -101,7 +101,7 @@ def test_stale_weight_cache_is_localized_and_its_case_file_round_trips(tmp_path,
 
 
 def test_converter_that_skips_a_layer_is_localized_to_that_layer(tmp_path):
-    from property_tests.train_faults import SKIPPED_LAYER
+    from evals.zoo.train_faults import SKIPPED_LAYER
     result = run_training(TrainPlan(SKIPS_A_LAYER, steps=2, sample_every=10))
     divergence = result.divergence
     assert (divergence.step, divergence.layer, divergence.gemm) == (0, SKIPPED_LAYER, "output")

@@ -1,6 +1,6 @@
 """Smoke test of the hostile corpus: each manifest entry runs once, in its own subprocess.
 
-    .venv/bin/python property_tests/hostile/smoke.py [--only NAME ...] [--timeout 20] [--json OUT]
+    .venv/bin/python evals/hostile/smoke.py [--only NAME ...] [--timeout 20] [--json OUT]
 
 The child loads the entry with parity.impls.load_impl (as the harness does), builds it, runs one
 forward on a 16x32 bf16 input with a 16x32 bf16 weight and a backward with ones grad_output, a

@@ -1,7 +1,7 @@
-"""check and bisect on the held-out set (property_tests/heldout/, frozen, written without reading the
+"""check and bisect on a frozen held-out set (evals/heldout/setNN/, written without reading the
 harness): detection, GEMM, class, operand and triggers, against the manifest.
 
-    python -m property_tests.heldout_rates [--device cuda] [--only NAME ...] [--markdown]
+    python -m evals.scoring.heldout_rates [--set set15] [--device cuda] [--only NAME ...] [--json OUT]
 
 Scoring, fixed before the first run: an entry's GEMM is right when bisect's first GEMM is the
 manifest's `gemm` (the first GEMM whose result is wrong); its class when bisect's category is the
@@ -15,9 +15,10 @@ failure). A correct entry must pass check and leave bisect nothing to localize. 
 do not include this device are not scored here.
 Each row also times bisect (its check, which is the entry's check verdict, and the localization, in
 this process with imports warm);
-`python -m property_tests.timings --bisect-set NAME` times the command itself in fresh processes.
-`--set heldout2` scores the second set (the first, property_tests/heldout, was seen after its first
-run: its figures after that are training figures).
+`python -m evals.scoring.timings --bisect-set NAME` times the command itself in fresh processes.
+`--set set02` scores the second set (the first, set01, was seen after its first run: its figures
+after that are training figures). A set is named setNN or by its folder before the move (heldout,
+heldout2, ..., heldout15: evals/scoring/sets.py); `python -m evals.scoring.scores` scores them all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-SETS = Path(__file__).resolve().parent
+from evals.scoring import sets
 
 
 def trigger_found(token: str, triggers: list[str]) -> bool:
@@ -52,7 +53,7 @@ def evaluate(entry: dict, device: str) -> dict:
     from parity.bisect import localize
     from parity.check import CheckPlan, run_check
     from parity.impls import load_impl
-    impl = load_impl(str(SETS.parent / entry["impl"]), recipe=entry["recipe"])
+    impl = load_impl(sets.impl_path(entry["impl"]), recipe=entry["recipe"])
     plan = CheckPlan.make(impl, device=device)
     start = time.perf_counter()
     row = dict(name=entry["name"], recipe=entry["recipe"], expected=f"{entry['category']} / {entry['gemm']} / "
@@ -83,38 +84,69 @@ def evaluate(entry: dict, device: str) -> dict:
     return row
 
 
-def main() -> None:
+def score(name: str, device: str, only: list[str] | None = None, shard: str = "0/1") -> list[dict]:
+    """The rows of every entry of set `name` scored on `device` (its manifest's devices), printed as it goes."""
+    device_key = "cuda" if device == "cuda" else "cpu"
+    shard_index, shards = (int(part) for part in shard.split("/"))
+    rows = []
+    for index, entry in enumerate(sets.manifest(name)):
+        if device_key in entry["devices"] and (only is None or entry["name"] in only) \
+                and index % shards == shard_index:
+            rows.append(evaluate(entry, device))
+            print(json.dumps(rows[-1]), flush=True)  # as it goes: a run cut short keeps what it scored
+    return rows
+
+
+def summarize(rows: list[dict], device: str) -> dict:
+    """The figures of a set's rows: what check detects, what bisect localizes, correct entries passing, times."""
+    import pandas as pd
+    table = pd.DataFrame.from_records(rows)
+    bugs, clean = table[table["expected"].str.startswith("none") == False], table[table["expected"].str.startswith("none")]  # noqa: E712,E501
+    figures = dict(bugs=len(bugs), detected=int((bugs["check"] == "fail").sum()), correct=int(bugs["correct"].sum()),
+                   gemm=int(bugs["gemm_ok"].sum()), class_=int(bugs["class_ok"].sum()),
+                   operand=int(bugs["operand_ok"].sum()), triggers=int(bugs["triggers_ok"].sum()),
+                   clean=len(clean), clean_passing=int(clean["correct"].sum()),
+                   bar_s=30.0 if device == "cuda" else 60.0)
+    timed = bugs["seconds"].dropna()  # a failing entry's seconds are its bisect's
+    if len(timed):
+        figures.update(bisect_median_s=round(float(timed.median()), 1), bisect_max_s=round(float(timed.max()), 1),
+                       slowest=bugs.loc[timed.idxmax(), "name"], timed=len(timed),
+                       within_bar=int((timed <= figures["bar_s"]).sum()))
+    return figures
+
+
+def summary_text(label: str, device: str, figures: dict) -> str:
+    """The lines the scorer prints under its table."""
+    bugs = figures["bugs"]
+    text = (f"\n{label} on {device}: check detects {figures['detected']}/{bugs}; bisect "
+            f"GEMM and class right {figures['correct']}/{bugs} (GEMM {figures['gemm']}, class "
+            f"{figures['class_']}, operand {figures['operand']}); every trigger named "
+            f"{figures['triggers']}/{bugs}; correct implementations passing "
+            f"{figures['clean_passing']}/{figures['clean']}")
+    if "timed" in figures:
+        text += (f"\nbisect wall time per failing entry (in this process, imports warm): median "
+                 f"{figures['bisect_median_s']:.1f} s, max {figures['bisect_max_s']:.1f} s ({figures['slowest']}); "
+                 f"bar {figures['bar_s']:.0f} s: {figures['within_bar']}/{figures['timed']} within")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--set", default="heldout", help="the folder of the set (heldout, heldout2)")
+    parser.add_argument("--set", default="set01", help="the set: set01 .. set15, or its old folder name (heldout15)")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--shard", default="0/1", help="I/N: only the entries whose index is I modulo N")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        sets.set_name(args.set)
+    except sets.SetError as err:
+        parser.error(f"--set: {err}")
     import pandas as pd
-    manifest = json.loads((SETS / args.set / "manifest.json").read_text())
-    device_key = "cuda" if args.device == "cuda" else "cpu"
-    shard, shards = (int(part) for part in args.shard.split("/"))
-    rows = []
-    for index, entry in enumerate(manifest):
-        if device_key in entry["devices"] and (args.only is None or entry["name"] in args.only) \
-                and index % shards == shard:
-            rows.append(evaluate(entry, args.device))
-            print(json.dumps(rows[-1]), flush=True)  # as it goes: a run cut short keeps what it scored
+    rows = score(args.set, args.device, args.only, args.shard)
     table = pd.DataFrame.from_records(rows)
     print(table.to_markdown(index=False))
-    bugs, clean = table[table["expected"].str.startswith("none") == False], table[table["expected"].str.startswith("none")]  # noqa: E712,E501
-    print(f"\n{args.set} on {args.device}: check detects {int((bugs['check'] == 'fail').sum())}/{len(bugs)}; bisect "
-          f"GEMM and class right {int(bugs['correct'].sum())}/{len(bugs)} (GEMM {int(bugs['gemm_ok'].sum())}, class "
-          f"{int(bugs['class_ok'].sum())}, operand {int(bugs['operand_ok'].sum())}); every trigger named "
-          f"{int(bugs['triggers_ok'].sum())}/{len(bugs)}; correct implementations passing "
-          f"{int(clean['correct'].sum())}/{len(clean)}")
-    timed = bugs["seconds"].dropna()  # a failing entry's seconds are its bisect's
-    if len(timed):
-        bar = 30.0 if args.device == "cuda" else 60.0
-        print(f"bisect wall time per failing entry (in this process, imports warm): median {timed.median():.1f} s, "
-              f"max {timed.max():.1f} s ({bugs.loc[timed.idxmax(), 'name']}); bar {bar:.0f} s: "
-              f"{int((timed <= bar).sum())}/{len(timed)} within")
+    print(summary_text(args.set, args.device, summarize(rows, args.device)))
     if args.json:
         args.json.write_text(table.to_json(orient="records", indent=1))
 

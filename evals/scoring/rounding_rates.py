@@ -2,13 +2,15 @@
 against the recipe's exact emulation), for correct implementations and two bf16-accumulation bugs of the
 held-out sets, on this device: groundwork for a statistical accumulation check (a measurement, not a test).
 
-    python -m property_tests.rounding_rates --device cuda --shard I/N --out F.jsonl
+    python -m evals.scoring.rounding_rates --device cuda --shard I/N --out F.jsonl
 
 Results: reports/reference-h200-accumulation/.
 """
 import argparse
 import json
 import os
+
+from evals.scoring import sets
 from parity.impls import load_impl
 from parity.check import CheckPlan
 from parity.cases import Case
@@ -17,23 +19,25 @@ from parity.runner import run_case
 IMPLS = [("fp8_impl", None), ("fp8_impl:rowwise", None), ("fp8_impl:rowwise_with_gw_hp", None),
          ("fp8_impl:blockwise", None), ("torchao:tensorwise", None), ("torchao:rowwise", None),
          ("torchao:blockwise", None),
-         ("property_tests/heldout10/bw_conv.py", "blockwise"), ("property_tests/heldout10/bw_module.py", "blockwise"),
-         ("property_tests/heldout9/bw_func_qdq.py", "blockwise"),
-         ("property_tests/heldout9/bw_module_kblock.py", "blockwise"),
-         ("property_tests/heldout9/bw_conv_bmm.py", "blockwise"),
+         ("evals/heldout/set10/bw_conv.py", "blockwise"), ("evals/heldout/set10/bw_module.py", "blockwise"),
+         ("evals/heldout/set09/bw_func_qdq.py", "blockwise"),
+         ("evals/heldout/set09/bw_module_kblock.py", "blockwise"),
+         ("evals/heldout/set09/bw_conv_bmm.py", "blockwise"),
          # bf16 partial sums per 128-block: inside the elementwise bound at small K on the H200
-         ("property_tests/heldout10/bug_bw_conv_04.py", "blockwise"),
-         ("property_tests/heldout9/bug_bw_08.py", "blockwise")]
+         ("evals/heldout/set10/bug_bw_conv_04.py", "blockwise"),
+         ("evals/heldout/set09/bug_bw_08.py", "blockwise")]
 SHAPES = [(128, 256, 128), (256, 256, 256), (256, 512, 384), (512, 1024, 256), (1024, 2048, 512)]
 DISTS = ["normal", "heavy", "outlier100", "uniform"]
 
 
 def impl_spec(path, recipe):
-    """A built-in's name, or a held-out file's `path:attr` from its set's manifest."""
+    """A built-in's name, or a held-out file's `path:attr` from its set's manifest (which names the file by
+    its folder when the set was frozen, property_tests/heldoutN/)."""
     if recipe is None:
         return path
-    with open(os.path.join(os.path.dirname(path), "manifest.json")) as manifest:
-        return {e["impl"].split(":")[0]: e["impl"] for e in json.load(manifest)}[path]
+    folder, file = os.path.split(path)
+    by_file = {e["impl"].split(":")[0].rsplit("/", 1)[1]: e["impl"] for e in sets.manifest(os.path.basename(folder))}
+    return sets.impl_path(by_file[file])
 
 
 def main():

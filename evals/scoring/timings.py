@@ -1,6 +1,6 @@
 """Wall time of the default commands on this machine, against their bars (a benchmark, not a test).
 
-    python -m property_tests.timings [--suite] [--device cpu|cuda] [--repeat N]
+    python -m evals.scoring.timings [--suite] [--device cpu|cuda] [--repeat N]
 
 Each command runs as a user runs it: a fresh process (imports included), its wall clock from
 start to exit, the median of --repeat runs. The bars are for an idle 2-core CPU machine:
@@ -10,7 +10,7 @@ start to exit, the median of --repeat runs. The bars are for an idle 2-core CPU 
     fp8-parity bisect --impl <a zoo mutant> --device D   60 s (30 s on an H200)
     python -m pytest -q             (with --suite)       300 s
 
-With --bisect-set NAME (a held-out set under property_tests/), `fp8-parity bisect` of every
+With --bisect-set NAME (a held-out set under evals/heldout/: set15, or heldout15), `fp8-parity bisect` of every
 buggy entry of that set, each in a fresh process: the median and the slowest against the bar.
 A command that fails (an exit code other than the one expected) is reported as such, not timed.
 """
@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from evals.scoring import sets
+
 
 def commands(device: str, out: str, suite: bool) -> list[tuple[str, list[str], int, float]]:
     """(name, argv, expected exit code, bar in seconds)."""
@@ -31,7 +33,7 @@ def commands(device: str, out: str, suite: bool) -> list[tuple[str, list[str], i
     listed = [
         ("default sweep", [*parity, "sweep", "--device", device, "--quiet", "--out", out], 0, 60.0),
         ("default check", [*parity, "check", "--impl", "fp8_impl", "--device", device, "--quiet"], 0, 30.0),
-        ("bisect of a mutant", [*parity, "bisect", "--impl", "property_tests/mutants.py:weight_scale_bf16",
+        ("bisect of a mutant", [*parity, "bisect", "--impl", "evals/zoo/mutants.py:weight_scale_bf16",
                                 "--device", device], 1, 30.0 if device == "cuda" else 60.0),
     ]
     if suite:
@@ -48,6 +50,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="with --bisect-set: only these entries")
     args = parser.parse_args()
     if args.bisect_set:
+        try:
+            sets.set_name(args.bisect_set)
+        except sets.SetError as err:
+            parser.error(f"--bisect-set: {err}")
         time_bisects(args.bisect_set, args.device, args.only)
         return
     print(f"| command | seconds (median of {args.repeat}) | bar | within |\n| --- | --- | --- | --- |")
@@ -72,8 +78,7 @@ def time_bisects(name: str, device: str, only: list[str] | None = None) -> None:
     """`fp8-parity bisect` on each buggy entry of a held-out set, as a user runs it (a fresh process)."""
     import json
     from pathlib import Path
-    root = Path(__file__).resolve().parent
-    manifest = json.loads((root / name / "manifest.json").read_text())
+    manifest = sets.manifest(name)
     bar = 30.0 if device == "cuda" else 60.0
     seconds = {}
     print("| entry | seconds | exit | phases (s) | outside the phases (s) |\n| --- | --- | --- | --- | --- |")
@@ -81,7 +86,7 @@ def time_bisects(name: str, device: str, only: list[str] | None = None) -> None:
         if entry["category"] == "none" or device not in entry["devices"] or (only and entry["name"] not in only):
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            argv = [sys.executable, "-m", "parity", "bisect", "--impl", str(root.parent / entry["impl"]), "--recipe",
+            argv = [sys.executable, "-m", "parity", "bisect", "--impl", sets.impl_path(entry["impl"]), "--recipe",
                     entry["recipe"], "--device", device, "--json", f"{tmp}/bisect.json"]
             start = time.perf_counter()
             done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

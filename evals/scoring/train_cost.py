@@ -1,6 +1,6 @@
 """What the statistics of `fp8-parity train` cost, measured against plain training.
 
-    python -m property_tests.train_cost --model tiny --steps 50 --sample-every 10 --device cpu
+    python -m evals.scoring.train_cost --model tiny --steps 50 --sample-every 10 --device cpu
 
 The issue's number: the statistics cost at most 2x plain training when sampled every 10 steps.
 `train` trains four runs (candidate, against, baseline, baseline from another seed), so "plain
@@ -70,7 +70,7 @@ def render(plan: TrainPlan, seconds: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m property_tests.train_cost", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m evals.scoring.train_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", default="fp8_impl")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=50)

@@ -1,11 +1,11 @@
 """Detection and localization rates on the mutant zoo, beside torchao-style SQNR thresholds.
 
-    python -m property_tests.zoo_rates [--device cuda] [--markdown]
+    python -m evals.scoring.zoo_rates [--device cuda]
 
 For every mutant: does `fp8-parity check` kill it, does `fp8-parity bisect` name its GEMM,
 operand, class and trigger, and does a torchao-style accuracy test catch it (output SQNR
 >= 18 dB and grad_weight SQNR >= 17 dB against a bf16 nn.Linear(16, 32) on a 16x16 input,
-as torchao's own float8 tests assert)? The README quotes its table.
+as torchao's own float8 tests assert)? `python -m evals.scoring.scores` puts its table in docs/scores.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from parity.bisect import localize
 from parity.check import CheckPlan, run_check
 from parity.impls import load_impl
 from parity.metrics import sqnr_db
-from property_tests.mutants import MUTANTS, Mutant
+from evals.zoo.mutants import MUTANTS, Mutant
 
 TORCHAO_OUTPUT_DB, TORCHAO_GRAD_WEIGHT_DB = 18.0, 17.0
 
@@ -67,17 +67,24 @@ def rates(device: str = "cpu") -> list[dict]:
     return rows
 
 
-def main() -> None:
+def summary_text(rows: list[dict], device: str) -> str:
+    """The line the scorer prints under its table."""
+    import pandas as pd
+    table = pd.DataFrame.from_records(rows)
+    judged = table[table["check"] != "n/a (GPU only)"]
+    return (f"\ncheck kills {int((judged['check'] == True).sum())}/{len(judged)}; "  # noqa: E712
+            f"bisect localizes {int((judged['bisect'] == True).sum())}/{len(judged)}; "  # noqa: E712
+            f"torchao-style thresholds catch {int(table['torchao_style'].sum())}/{len(table)} (on {device})")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import pandas as pd
-    table = pd.DataFrame.from_records(rates(args.device))
-    print(table.to_markdown(index=False))
-    judged = table[table["check"] != "n/a (GPU only)"]
-    print(f"\ncheck kills {int((judged['check'] == True).sum())}/{len(judged)}; "  # noqa: E712
-          f"bisect localizes {int((judged['bisect'] == True).sum())}/{len(judged)}; "  # noqa: E712
-          f"torchao-style thresholds catch {int(table['torchao_style'].sum())}/{len(table)} (on {args.device})")
+    rows = rates(args.device)
+    print(pd.DataFrame.from_records(rows).to_markdown(index=False))
+    print(summary_text(rows, args.device))
 
 
 if __name__ == "__main__":

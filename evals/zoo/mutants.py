@@ -8,7 +8,7 @@ say about it: its recipe, the GEMMs it breaks, the operand to blame, its bug cla
 README's vocabulary) and the condition it needs to show. The harness's own tests use the zoo
 to prove that `check` kills every mutant and `bisect` localizes each.
 
-Load one as an implementation: `property_tests/mutants.py:<name>` (with `--recipe RECIPE` for
+Load one as an implementation: `evals/zoo/mutants.py:<name>` (with `--recipe RECIPE` for
 the recipe mutants).
 """
 

@@ -1,4 +1,4 @@
-"""Faults that only training shows, as implementations to load by name (`property_tests/train_faults.py:NAME`).
+"""Faults that only training shows, as implementations to load by name (`evals/zoo/train_faults.py:NAME`).
 
 Each is bitwise equal to torchao's tensorwise recipe (fp8_impl is) on a single call, and wrong
 only through state that training exercises. Expected localizations (the tiny model; test_train.py
