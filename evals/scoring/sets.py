@@ -34,7 +34,7 @@ def set_name(name: str) -> str:
     if name.isdigit() and f"set{int(name):02d}" in OLD_FOLDER:
         return f"set{int(name):02d}"
     raise SetError(f"no held-out set named {name!r}: the sets are set01 .. set{SET_COUNT:02d} (or their old "
-                   f"names heldout, heldout2 .. heldout{SET_COUNT}), e.g. --set set15")
+                   f"names heldout, heldout2 .. heldout{SET_COUNT}), e.g. set15")
 
 
 def set_dir(name: str) -> Path:

@@ -67,14 +67,20 @@ def rates(device: str = "cpu") -> list[dict]:
     return rows
 
 
-def summary_text(rows: list[dict], device: str) -> str:
+def summarize(rows: list[dict]) -> dict:
+    """The zoo's figures: mutants check kills and bisect localizes (of those this device runs), and the
+    mutants a torchao-style accuracy test catches (of all)."""
+    judged = [row for row in rows if row["check"] != "n/a (GPU only)"]
+    return dict(judged=len(judged), killed=sum(bool(row["check"]) for row in judged),
+                localized=sum(bool(row["bisect"]) for row in judged),
+                torchao_style=sum(bool(row["torchao_style"]) for row in rows), mutants=len(rows))
+
+
+def summary_text(figures: dict, device: str) -> str:
     """The line the scorer prints under its table."""
-    import pandas as pd
-    table = pd.DataFrame.from_records(rows)
-    judged = table[table["check"] != "n/a (GPU only)"]
-    return (f"\ncheck kills {int((judged['check'] == True).sum())}/{len(judged)}; "  # noqa: E712
-            f"bisect localizes {int((judged['bisect'] == True).sum())}/{len(judged)}; "  # noqa: E712
-            f"torchao-style thresholds catch {int(table['torchao_style'].sum())}/{len(table)} (on {device})")
+    return (f"\ncheck kills {figures['killed']}/{figures['judged']}; bisect localizes "
+            f"{figures['localized']}/{figures['judged']}; torchao-style thresholds catch "
+            f"{figures['torchao_style']}/{figures['mutants']} (on {device})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     import pandas as pd
     rows = rates(args.device)
     print(pd.DataFrame.from_records(rows).to_markdown(index=False))
-    print(summary_text(rows, args.device))
+    print(summary_text(summarize(rows), args.device))
 
 
 if __name__ == "__main__":
