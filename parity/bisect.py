@@ -517,8 +517,9 @@ def _diagnose_case(result: Localization, plan: CheckPlan, case: Case, outcome: O
             got_result, exact, case, gemm, recipe, bias=host.bias if gemm == "output" else None,
             scales=gemm_inverse_scales(host.steps[step_index], gemm, recipe))
         if explained is not None:
-            findings.append(Finding(step_index, gemm, explained[2] if len(explained) > 2 else "result", "result",
-                                    f"{explained[1]} (every recorded operand is the recipe's)", explained[0]))
+            findings.append(Finding(step_index, gemm, explained.operand, "result",
+                                    f"{explained.description} (every recorded operand is the recipe's)",
+                                    explained.category))
     # GEMMs of the case that made no call: by behaviour, where their results diverge and before the first
     # that does (a GEMM within a loose bound, the tensor cores' on a GPU, can still be nearer a mistake)
     called = {g for call in execution.calls for g in call.gemm.split("|")}

@@ -44,9 +44,11 @@ from parity.contract import ScaledMMCall
 from parity.data import StepData
 from parity.metrics import compare, sqnr_db
 from parity.oracles import Quantized
-from parity.mistakes import (NARROWER, Hypothesis, OperandSources, high_precision_hypotheses, operand_hypotheses,
-                             quantize_mistaken, strides_ignored)
+from parity.mistakes import (NARROWER, Explanation, Hypothesis, OperandSources, ResultMistake,
+                             high_precision_hypotheses, operand_hypotheses, quantize_mistaken, result_mistakes,
+                             rounded_before_cast, scaled_over, strides_ignored)
 from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe, Scaling
+from parity.vocabulary import BugClass
 
 MATCH_DB = 45.0  # a hypothesis "matches" results above this SQNR: quantization-level bugs sit near 25-30 dB
 MARGIN_DB = 10.0  # ... and only when it is this much closer than the correct emulation (ties: the correct one)
@@ -117,7 +119,7 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     """(stage, category, message) for an operand a GEMM got (fp8 values and per-element inverse
     scales, laid out [rows, inner]) that is not the recipe's, or None when it is."""
     rows, inner = values.shape
-    correct = quantize_mistaken(sources.view(gemm, role, "same"), cast, recipe, {})
+    correct = quantize_mistaken(sources.view(gemm, role, "same"), cast, recipe)
     want_scales = _expanded(correct.inv_scale.cpu(), rows, inner)
     values_ok = _same(values, correct.values.cpu())
     scales_ok = scales is not None and _same(scales, want_scales)
@@ -227,7 +229,7 @@ def _computes_the_transpose(call: ScaledMMCall, b_as_rows: torch.Tensor, spec: G
         rows, inner = tensor.shape
         kind = call.scaling[0 if call_role == "a" else 1] if call.scaling else "?"
         scales = _call_scales(kind, scale, call_role, rows, inner)
-        correct = quantize_mistaken(want, cast, recipe, {})
+        correct = quantize_mistaken(want, cast, recipe)
         if correct is None or scales is None or not _same(tensor.detach().to(torch.float64).cpu(),
                                                           correct.values.cpu()) \
                 or not _same(scales, _expanded(correct.inv_scale.cpu(), rows, inner)):
@@ -308,95 +310,35 @@ def gemm_inverse_scales(step: StepData, gemm: str, recipe: Recipe) -> tuple[torc
     return a_rows, b_cols
 
 
-def _epilogue_mistakes(exact: torch.Tensor, scales, operands: tuple[str, str]):
-    """(category, operand, message, value) for each way the inverse scales of A (per row) and B (per
-    column) can be misapplied to the product after it (or in it and after it): the exact result
-    is the product times a_inv * b_inv."""
-    if scales is None or exact.shape != (scales[0].shape[0], scales[1].shape[1]):
-        return []
-    a_inv, b_inv = scales
-    a_name, b_name = operands
-    return [
-        ("scale", b_name, f"B's ({b_name}) scale multiplied into the result where its inverse belongs",
-         exact / b_inv ** 2),
-        ("scale", a_name, f"A's ({a_name}) scale multiplied into the result where its inverse belongs",
-         exact / a_inv ** 2),
-        ("scale", "result", "both scales multiplied into the result where their inverses belong",
-         exact / (a_inv ** 2 * b_inv ** 2)),
-        ("scale", "result", "the inverse scales applied twice: in the call and again to its result",
-         exact * a_inv * b_inv),
-        ("scale", b_name, f"B's ({b_name}) inverse scale never applied to the result", exact / b_inv),
-        ("scale", a_name, f"A's ({a_name}) inverse scale never applied to the result", exact / a_inv),
-    ]
-
-
 def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: str, recipe: Recipe, *,
-                   bias: torch.Tensor | None = None, scales=None) -> tuple[str, str] | tuple[str, str, str] | None:
-    """(category, message) when `got` is the exact GEMM result `exact` (float64) transformed after
-    the GEMM (rescaled, transposed, reshaped, rounded through another dtype, a bias twice or
-    dropped); None when no such transform reproduces it. With the GEMM's per-row and per-column
-    inverse `scales` (gemm_inverse_scales), also a scale misapplied to the result: then
-    (category, message, operand)."""
+                   bias: torch.Tensor | None = None, scales=None) -> Explanation | None:
+    """The Explanation when `got` is the exact GEMM result `exact` (float64) transformed after the
+    GEMM (rescaled, transposed, reshaped, rounded through another dtype, a bias twice or dropped: the
+    result mistakes of parity.mistakes); None when no such transform reproduces it. With the GEMM's
+    per-row and per-column inverse `scales` (gemm_inverse_scales), also a scale misapplied to the
+    result, which blames the operand whose scale it is."""
     got64 = got.detach().to(torch.float64).cpu().reshape(-1, got.shape[-1])
     exact = exact.detach().to(torch.float64).cpu()
     b = None if bias is None else bias.detach().to(torch.float64).cpu()
+    chain = oracles.rounding_chain(case, tensor, recipe)
 
-    def rounded(value: torch.Tensor, chain=None) -> torch.Tensor:
-        for dtype in chain or oracles.rounding_chain(case, tensor, recipe):
+    def rounded(value: torch.Tensor) -> torch.Tensor:
+        for dtype in chain:
             value = value.to(dtype)
         return value.to(torch.float64)
 
-    def with_bias(value: torch.Tensor, times: int = 1) -> torch.Tensor:
-        return value if b is None else value + times * b
-
-    def close(value: torch.Tensor) -> bool:  # the same NaN and Inf, the rest within MATCH_DB
+    def reproduces(mistake: ResultMistake, value: torch.Tensor) -> bool:  # same NaN and Inf, the rest within MATCH_DB
+        value = rounded(value)
+        if mistake.bit_exact:
+            return _same(value.reshape(got64.shape), got64)
         return value.shape == got64.shape and _closeness(got64, value) >= MATCH_DB
-    ratio = float((got64.nan_to_num() * exact).sum() / (exact * exact).sum()) if exact.abs().sum() > 0 else 1.0
-    for category, operand, message, value in _epilogue_mistakes(exact, scales, recipe.gemm(tensor).operands
-                                                                 if tensor in GEMMS else ("A", "B")):
-        if not torch.allclose(value, exact) and close(rounded(with_bias(value))):
-            return category, message, operand
-    candidates = []
-    if math.isfinite(ratio) and abs(ratio - 1) > 1e-3 and ratio != 0:
-        factor, name = _nice_factor(ratio, case)
-        candidates.append(("scale", f"the result multiplied by {name} after its GEMM", with_bias(exact * factor)))
-    if exact.shape[0] == exact.shape[1]:
-        candidates.append(("transpose", "the result transposed", with_bias(exact.t())))
-    candidates.append(("transpose", "the result reshaped from the transposed product",
-                       with_bias(exact.t().contiguous().reshape(exact.shape))))
-    if exact.shape[0] != exact.shape[1]:  # (square: the reshape changes nothing)
-        candidates.append(("transpose", "the result reshaped to its transpose's shape where a transpose belongs "
-                           "(and transposed back)", with_bias(exact.reshape(exact.shape[1], exact.shape[0]).t())))
-    if b is not None:
-        candidates += [("contract", "the bias added twice", with_bias(exact, 2)),
-                       ("contract", "the bias dropped", exact)]
-    for category, message, value in candidates:
-        if close(rounded(value)):
-            return category, message
-    chain = oracles.rounding_chain(case, tensor, recipe)
-    for through in (torch.bfloat16, torch.float16, torch.float32):
-        if through not in chain and through != got.dtype:
-            other_chain = [through, *chain]
-            if _same(rounded(with_bias(exact), other_chain).reshape(got64.shape), got64):
-                # a GEMM the recipe keeps in high precision: its precision is what the recipe says of it
-                category = "precision" if tensor in GEMMS and recipe.gemm(tensor).high_precision else "accumulation"
-                return category, f"the result rounded through {str(through).replace('torch.', '')} on its way " \
-                                 f"to {str(got.dtype).replace('torch.', '')}: a second rounding"
-    if bool((~torch.isfinite(got64) & torch.isfinite(rounded(with_bias(exact)))).any()):
-        return "saturation", "the result overflows its dtype where the exact result does not"
+    for mistake in result_mistakes(got, exact, case, tensor, recipe, has_bias=b is not None, scales=scales):
+        value = mistake.transform(exact, b)
+        if value is not None and reproduces(mistake, value):
+            return mistake.explanation
+    if bool((~torch.isfinite(got64) & torch.isfinite(rounded(exact if b is None else exact + b))).any()):
+        return Explanation(BugClass.SATURATION, "the result overflows its dtype where the exact result does not")
     return None
-
-
-def _nice_factor(ratio: float, case: Case) -> tuple[float, str]:
-    """The factor a least-squares ratio estimates: a power of two or a GEMM dimension (or its
-    inverse) within 1%, else the ratio itself."""
-    nice = {f"2^{k}": 2.0 ** k for k in range(-24, 25)}
-    nice.update({"1/M": 1 / case.M, "1/K": 1 / case.K, "1/N": 1 / case.N, "M": case.M, "K": case.K, "N": case.N})
-    name, value = min(nice.items(), key=lambda item: abs(math.log(abs(ratio) / item[1])) if ratio else math.inf)
-    value = math.copysign(value, ratio)
-    if abs(ratio / value - 1) < 1e-2:
-        return value, f"{value:g} (= {'-' if ratio < 0 else ''}{name})"
-    return ratio, f"{ratio:.4g}"
 
 
 # ---- by behaviour: the same hypotheses, end to end ------------------------------------------------
@@ -451,7 +393,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
             want = oracles.rounded_like_result(value, case, gemm_name, recipe).reshape(target.shape)
             return _closeness(target.cpu(), want)
         a_hp, b_hp = sources.view(gemm_name, "a", "same"), sources.view(gemm_name, "b", "same")
-        qa, qb = quantize_mistaken(a_hp, spec.a, recipe, {}), quantize_mistaken(b_hp, spec.b, recipe, {})
+        qa, qb = quantize_mistaken(a_hp, spec.a, recipe), quantize_mistaken(b_hp, spec.b, recipe)
         correct_value = oracles.gemm(qa, qb)
         correct_db = closeness(correct_value)
         scored: list[tuple[float, str, str, str]] = []
@@ -471,7 +413,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                     hp = a_hp if role == "a" else b_hp
                     rows, inner = hp.shape
                     for tile in {cast.scaling.tile(rows, inner), (1, inner), (rows, 1), (rows, inner)}:
-                        q = quantize_mistaken(hp, cast, recipe, {"tile": tile})
+                        q = quantize_mistaken(hp, cast, recipe, scaled_over(tile))
                         if q is None:
                             continue
                         fp8_copy = Quantized(q.dequantized(), hp.new_ones((1, 1), dtype=torch.float64),
@@ -488,7 +430,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
             chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(case, gemm_name, recipe))
             # (operands already in that dtype stay as they are: the result's rounding alone then tells)
             for name, dtype in NARROWER:
-                narrow = [quantize_mistaken(hp, not_cast, recipe, {"source_dtype": dtype}) for hp in (a_hp, b_hp)]
+                narrow = [quantize_mistaken(hp, not_cast, recipe, rounded_before_cast(dtype)) for hp in (a_hp, b_hp)]
                 value = oracles.gemm(narrow[0] or qa, narrow[1] or qb).to(dtype).to(torch.float64)
                 scored.append((closeness(value), "result", "precision", f"computed in {name} (operands and "
                                f"result) where the recipe's result is rounded to {chain} only"))
@@ -505,10 +447,10 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
             of_b = {h.description: h for h in operand_hypotheses(spec.b, recipe, *b_hp.shape)}
             for hypothesis in operand_hypotheses(spec.a, recipe, *a_hp.shape):
                 twin = of_b.get(hypothesis.description)
-                if twin is None or hypothesis.source != "same" or twin.source != "same" or not hypothesis.options:
+                if twin is None or hypothesis.source != "same" or twin.source != "same" or hypothesis.transform is None:
                     continue
-                both = (quantize_mistaken(a_hp, spec.a, recipe, hypothesis.options),
-                        quantize_mistaken(b_hp, spec.b, recipe, twin.options))
+                both = (quantize_mistaken(a_hp, spec.a, recipe, hypothesis),
+                        quantize_mistaken(b_hp, spec.b, recipe, twin))
                 if None not in both:
                     scored.append((closeness(oracles.gemm(*both)), spec.operands[0], hypothesis.category,
                                    f"{hypothesis.description}, in both operands"))
@@ -516,7 +458,7 @@ def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Seq
                                    bias=bias if gemm_name == "output" else None,
                                    scales=gemm_inverse_scales(steps[step_index], gemm_name, recipe))
         if explained is not None:
-            scored.append((MATCH_DB, explained[2] if len(explained) > 2 else "result", *explained[:2]))
+            scored.append((MATCH_DB, explained.operand, explained.category, explained.description))
         if not scored:
             continue
         db, operand, category, description = max(scored, key=lambda s: s[0])

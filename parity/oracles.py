@@ -5,8 +5,8 @@ float64 scale rounded to float32, optionally down to a power of two, float32 pro
 saturating round-to-nearest-even onto the fp8 grid), but rounds onto the grid with its own
 arithmetic rather than torch's fp8 cast, and then multiplies the fp8 values in float64.
 Products of two fp8 values have at most 8 significant bits, so float64 sums of them are exact
-for any K a GPU can hold (and the sums of one 128-long block, which block scales need, are
-exact too); the inverse scales are applied once per block. What separates a real FP8 GEMM from
+for any K a GPU can hold (and the sums of one block of the inner dim, which block scales need,
+are exact too); the inverse scales are applied once per block. What separates a real FP8 GEMM from
 this oracle is therefore its accumulation (fp32 or fast-accum partial sums) and the final
 rounding, and nothing else: a mismatch beyond that bound is a bug, not noise.
 
@@ -14,39 +14,26 @@ Every operand is handled in its "inner dim last" orientation, as the GEMM reads 
 [rows, inner], B as B.T = [cols, inner] (output: input [M,K] and weight [N,K]; grad_input:
 grad_output [M,N] and weight.T [K,N]; grad_weight: grad_output.T [N,M] and input.T [K,M]).
 
+The quantization is the recipe's alone, written as its stages (CastStages); the wrong quantizations
+bisect tries are data of parity.mistakes, each a transform of one of those stages.
+
 The float64 and bfloat16 nn.Linear references need no code here: they are nn.Linear run
 with the case's data cast to that dtype (see parity.impls).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
-from parity.recipes import DEFAULT_RECIPE, GEMMS, Cast, Recipe, Scaling
+from parity.recipes import DEFAULT_RECIPE, FP8_FORMATS, GEMMS, Cast, Fp8Format, Recipe, Scaling
 
 EPS = 1e-12  # the amax floor of torchao's amax_to_scale
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TENSORWISE = DEFAULT_RECIPE
-
-
-@dataclass(frozen=True)
-class Fp8Format:
-    mantissa_bits: int
-    min_exponent: int  # exponent of the smallest normal number
-    max: float
-
-
-FORMATS = {
-    torch.float8_e4m3fn: Fp8Format(3, -6, 448.0),
-    torch.float8_e5m2: Fp8Format(2, -14, 57344.0),
-    torch.float8_e4m3fnuz: Fp8Format(3, -7, 240.0),
-    torch.float8_e5m2fnuz: Fp8Format(2, -15, 57344.0),
-}
+FORMATS = {fmt.dtype: fmt for fmt in FP8_FORMATS.values()}  # parity.recipes' table of fp8 formats, by dtype
 
 
 def round_to_fp8_grid(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -77,81 +64,106 @@ class Quantized:
         return self.values * self.inv_scale.repeat_interleave(r, dim=0).repeat_interleave(i, dim=1)
 
 
+# ---- the recipe's cast of one operand, stage by stage ----------------------------------------------
+# amax over the elements sharing a scale -> scale (the float64 quotient fp8_max / amax rounded to float32;
+# rounded down to a power of two, or computed through a float32 reciprocal, where the recipe says so) ->
+# the values times their scale, rounded to float32 -> a saturating round onto the fp8 grid; the GEMM is
+# handed the inverse scales. Each stage is one function below; CastStages composes them, and its fields
+# (the recipe's stages by default) are what parity.mistakes replaces, one at a time, to make a mistake.
+
+def format_of(cast: Cast) -> Fp8Format | None:
+    """The fp8 format `cast` rounds onto (None: the operand stays in high precision)."""
+    return None if cast.fp8 is None else FP8_FORMATS[cast.fp8]
+
+
+def tile_of(cast: Cast, rows: int, inner: int) -> tuple[int, int]:
+    """The elements sharing one scale, (r, i), of an operand [rows, inner] under `cast`."""
+    return cast.scaling.tile(rows, inner)
+
+
+def grouped(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """`x` [rows, inner] as [rows / r, r, inner / i, i]: each (r, i) tile one group (a RuntimeError where
+    the tile does not divide x)."""
+    (rows, inner), (r, i) = x.shape, tile
+    return x.reshape(rows // r, r, inner // i, i)
+
+
+def group_amax(groups: torch.Tensor) -> torch.Tensor:
+    """max |x| of each group: float64 [rows / r, inner / i]."""
+    return groups.abs().amax(dim=(1, 3)).to(torch.float64)
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_max: float, *, pow2: bool = False, via_reciprocal: bool = False,
+                  eps: float = EPS) -> torch.Tensor:
+    """float32 scales fp8_max / max(amax, eps): the float64 quotient rounded once (torchao), or with
+    `via_reciprocal` fp8_max * (1 / amax) in float32 (two roundings: what torch does with `448.0 / amax`
+    for a float32 tensor amax); with `pow2` rounded down to a power of two."""
+    if via_reciprocal:
+        reciprocal = (1.0 / torch.clamp(amax, min=eps).to(torch.float32).to(torch.float64)).to(torch.float32)
+        scale = (fp8_max * reciprocal.to(torch.float64)).to(torch.float32)
+    else:
+        scale = (fp8_max / torch.clamp(amax, min=eps)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def scaled_values(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each group times its scale, exact in float64 and rounded once to float32."""
+    return (groups.to(torch.float64) * scale.to(torch.float64)[:, None, :, None]).to(torch.float32)
+
+
+def saturated(scaled: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """The scaled values clamped to +-max and rounded onto the format's grid (float64)."""
+    return round_to_fp8_grid(scaled.to(torch.float64).clamp(-fmt.max, fmt.max), fmt.dtype)
+
+
+def inverse_of(scale: torch.Tensor) -> torch.Tensor:
+    """What the GEMM is handed: the float32 inverse of each scale."""
+    return scale.reciprocal()
+
+
+@dataclass(frozen=True)
+class CastStages:
+    """The cast of one operand as its stages: the recipe's scale rounding and a function per stage (the
+    recipe's by default; parity.mistakes replaces one, keeping the others and their exact arithmetic)."""
+
+    pow2: bool = False  # scales rounded down to a power of two (Recipe.pow2_scales)
+    via_reciprocal: bool = False  # scales through a float32 reciprocal (Recipe.reciprocal_scales)
+    fp8_format: Callable[[Cast], Fp8Format | None] = format_of
+    tiles: Callable[[Cast, int, int], tuple[int, int]] = tile_of
+    amax: Callable[[torch.Tensor], torch.Tensor] = group_amax
+    scale: Callable[..., torch.Tensor] = amax_to_scale  # (amax, fp8_max, *, pow2, via_reciprocal)
+    scaled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = scaled_values
+    saturation: Callable[[torch.Tensor, Fp8Format], torch.Tensor] = saturated
+    inverse: Callable[[torch.Tensor], torch.Tensor] = inverse_of
+
+    def cast(self, x: torch.Tensor, cast: Cast) -> Quantized:
+        """`x` [rows, inner] (1-D: one row) cast with `cast`, emulated in float64."""
+        x = x.reshape(1, -1) if x.dim() == 1 else x
+        rows, inner = x.shape
+        fmt = self.fp8_format(cast)
+        if fmt is None:
+            return Quantized(x.to(torch.float64), x.new_ones((1, 1), dtype=torch.float64), (rows, inner), None)
+        tile = self.tiles(cast, rows, inner)
+        groups = grouped(x, tile)
+        scale = self.scale(self.amax(groups), fmt.max, pow2=self.pow2, via_reciprocal=self.via_reciprocal)
+        values = self.saturation(self.scaled(groups, scale), fmt)
+        return Quantized(values.reshape(rows, inner), self.inverse(scale).to(torch.float64), tile, fmt.dtype)
+
+
 def scale_rounding(recipe: Recipe) -> dict:
     """quantize()'s keyword arguments for how `recipe` rounds its scales."""
     return dict(pow2=recipe.pow2_scales, via_reciprocal=recipe.reciprocal_scales)
 
 
-def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False, absolute_amax: bool = True,
-             scale_dtype: torch.dtype = torch.float32, target_max: float | None = None,
-             clamp_max: float | None = None, inverse_scale: bool = True,
-             tile: tuple[int, int] | None = None, eps: float = EPS,
-             value_clamp: float | None = None, fp8_format: torch.dtype | None = None,
-             overflow_nan: bool = False, first_amax: bool = False, via_reciprocal: bool = False,
-             scaled_dtype: torch.dtype = torch.float32, converted_to: torch.dtype | None = None,
-             amax_dtype: torch.dtype | None = None, values_dtype: torch.dtype | None = None,
-             multiplier_dtype: torch.dtype | None = None, amax_of: torch.Tensor | None = None) -> Quantized:
-    """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row), emulated in float64.
-
-    `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise). The other keyword arguments
-    describe *wrong* quantizations, for parity.bisect's "nearest wrong oracle": amax without
-    abs, a scale rounded to bf16, a scale aimed at another format's max, a clamp at another
-    bound, the scale handed to the GEMM instead of its inverse, scales over other tiles, no
-    floor under amax (eps=0), the raw values clamped to `value_clamp` before they are scaled
-    (the scale still from the unclamped amax), another fp8 format than the cast's (`fp8_format`,
-    e.g. ROCm's fnuz formats: their max and their grid), a cast that does not saturate
-    (`overflow_nan`: what rounds beyond the format's max becomes NaN, as eager casts on a GPU do),
-    the first group's amax used for every group (`first_amax`: a scale indexed [0] and broadcast),
-    the scale computed as max * (1 / amax) in float32 (`via_reciprocal`: what torch does with
-    `448.0 / amax` for a float32 tensor amax, two roundings; measured: one ulp off the exact
-    quotient for 27% of random amaxes), x * scale rounded to `scaled_dtype` before the fp8 cast
-    (bf16: a bf16 tensor times a 0-dim float32 scale stays bf16, a double rounding), with the scale
-    itself rounded to `multiplier_dtype` for that product only (what a GPU kernel does with a 0-dim
-    float32 tensor on the device: it converts it to the other operand's dtype), the fp8 values
-    converted to another fp8 format afterwards (`converted_to`: rounded again, saturating there;
-    the result's format is that one, the scale still the cast's), the amax taken from a copy rounded
-    to `amax_dtype`, the values rounded to `values_dtype` after the amax and before the scaling,
-    the amax taken from another tensor of x's shape (`amax_of`: delayed scaling, where the scale
-    comes from the previous call's amax and is applied to this call's values).
-    """
+def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False,
+             via_reciprocal: bool = False) -> Quantized:
+    """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row) as the recipe casts it, emulated
+    in float64. `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise); `pow2` and
+    `via_reciprocal` are the recipe's scale rounding (scale_rounding). The wrong casts bisect tries
+    are parity.mistakes'."""
     if isinstance(cast, torch.dtype):
-        cast = Cast(Scaling.TENSORWISE, {E4M3: "e4m3", E5M2: "e5m2"}[cast])
-    x = x.reshape(1, -1) if x.dim() == 1 else x
-    rows, inner = x.shape
-    if cast.fp8 is None:
-        return Quantized(x.to(torch.float64), x.new_ones((1, 1), dtype=torch.float64), (rows, inner), None)
-    fp8_dtype = fp8_format or cast.dtype
-    fmt = FORMATS[fp8_dtype]
-    r, i = tile or cast.scaling.tile(rows, inner)
-    tiles = x.reshape(rows // r, r, inner // i, i)
-    measured = tiles if amax_of is None else amax_of.reshape(x.shape).reshape(rows // r, r, inner // i, i)
-    measured = measured if amax_dtype is None else measured.to(amax_dtype)
-    amax = (measured.abs() if absolute_amax else measured).amax(dim=(1, 3)).to(torch.float64)
-    if first_amax:
-        amax = amax[:1, :1].expand_as(amax)
-    if via_reciprocal:
-        reciprocal = (1.0 / torch.clamp(amax, min=eps).to(torch.float32).to(torch.float64)).to(torch.float32)
-        scale = ((target_max or fmt.max) * reciprocal.to(torch.float64)).to(torch.float32)
-    else:
-        scale = ((target_max or fmt.max) / torch.clamp(amax, min=eps)).to(torch.float32)
-    if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    scale = scale.to(scale_dtype).to(torch.float32)
-    raw = (tiles if values_dtype is None else tiles.to(values_dtype)).to(torch.float64)
-    raw = raw if value_clamp is None else raw.clamp(-value_clamp, value_clamp)
-    multiplier = scale if multiplier_dtype is None else scale.to(multiplier_dtype)
-    scaled = (raw * multiplier.to(torch.float64)[:, None, :, None]).to(scaled_dtype)  # one rounding (float32)
-    handed = scale.reciprocal() if inverse_scale else scale
-    if overflow_nan:  # no clamp: whatever rounds past the max is NaN (e4m3fn has no infinity)
-        rounded = round_to_fp8_grid(scaled.to(torch.float64), fp8_dtype)
-        values = torch.where(rounded.abs() > fmt.max, torch.full_like(rounded, math.nan), rounded)
-        return Quantized(values.reshape(rows, inner), handed.to(torch.float64), (r, i), fp8_dtype)
-    bound = min(fmt.max, clamp_max or fmt.max)
-    values = round_to_fp8_grid(scaled.to(torch.float64).clamp(-bound, bound), fp8_dtype)
-    if converted_to is not None:
-        fp8_dtype, other = converted_to, FORMATS[converted_to]
-        values = round_to_fp8_grid(values.clamp(-other.max, other.max), fp8_dtype)
-    return Quantized(values.reshape(rows, inner), handed.to(torch.float64), (r, i), fp8_dtype)
+        cast = Cast(Scaling.TENSORWISE, FORMATS[cast].name)
+    return CastStages(pow2=pow2, via_reciprocal=via_reciprocal).cast(x, cast)
 
 
 def _block_of(a: Quantized, b: Quantized) -> int:
@@ -197,21 +209,14 @@ class EmulatedStep:
 
 
 def emulate_linear(input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor,
-                   recipe: Recipe = TENSORWISE, *, keep_operands: bool = False,
-                   mistakes: dict | None = None) -> EmulatedStep:
-    """The three GEMMs of an FP8 linear layer under `recipe`, exactly (2-D views of N-D tensors).
-
-    `mistakes` maps (gemm, "a"|"b") or an operand name to quantize() keyword overrides, for the
-    wrong oracles of parity.bisect."""
+                   recipe: Recipe = TENSORWISE, *, keep_operands: bool = False) -> EmulatedStep:
+    """The three GEMMs of an FP8 linear layer under `recipe`, exactly (2-D views of N-D tensors)."""
     K, N = input.shape[-1], weight.shape[0]
     views = operand_views(input.reshape(-1, K), weight, grad_output.reshape(-1, N))
-    mistakes = mistakes or {}
     results, magnitude, operands = {}, {}, {}
     for spec in recipe.gemms:
-        (a, bt), quantized = views[spec.name], []
-        for role, operand, cast, tensor in (("a", spec.operands[0], spec.a, a), ("b", spec.operands[1], spec.b, bt)):
-            options = {**mistakes.get(operand, {}), **mistakes.get((spec.name, role), {})}
-            quantized.append(quantize(tensor, options.pop("cast", cast), **{**scale_rounding(recipe), **options}))
+        a, bt = views[spec.name]
+        quantized = [quantize(a, spec.a, **scale_rounding(recipe)), quantize(bt, spec.b, **scale_rounding(recipe))]
         results[spec.name] = gemm(*quantized)
         magnitude[spec.name] = gemm(*quantized, magnitude=True)
         if keep_operands:

@@ -34,8 +34,30 @@ GEMMS = ("output", "grad_input", "grad_weight")
 OPERANDS = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight"),
             "grad_weight": ("grad_output", "input")}
 INNER_DIM = {"output": "K", "grad_input": "N", "grad_weight": "M"}
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-BLOCK = 128
+BLOCK = 128  # the side of DeepSeek-V3's scale tiles and blocks (1x128, 128x128)
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """An fp8 format's numbers: the largest magnitude a cast saturates at and the spacing of its grid."""
+
+    name: str  # as recipes and messages name it ("e4m3" is torch's float8_e4m3fn)
+    dtype: torch.dtype
+    max: float  # the largest finite magnitude
+    mantissa_bits: int
+    min_exponent: int  # exponent of the smallest normal number (subnormals share its quantum)
+
+
+# The one table of fp8 formats in parity/ (parity.oracles reads it by name and by dtype). fp8_impl/ keeps
+# its own constants on purpose: the oracle checks fp8_impl independently, so fp8_impl must not import parity.
+# Recipes cast to the OCP formats; ROCm's fnuz formats are among bisect's hypotheses (parity.mistakes).
+FP8_FORMATS = {fmt.name: fmt for fmt in (
+    Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, 3, -6),
+    Fp8Format("e5m2", torch.float8_e5m2, 57344.0, 2, -14),
+    Fp8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 3, -7),
+    Fp8Format("e5m2fnuz", torch.float8_e5m2fnuz, 57344.0, 2, -15),
+)}
+FP8_DTYPES = {name: FP8_FORMATS[name].dtype for name in ("e4m3", "e5m2")}  # the formats a recipe casts to
 
 
 class Scaling(str, enum.Enum):

@@ -5,20 +5,24 @@ The implementations here are small user-style layers written in the test, beside
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 import textwrap
 
 import pytest
 import torch
 
-from parity import oracles
-from parity.bisect import localize
+from parity import cpu_gemm, mistakes, oracles
+from parity.bisect import _is_gpu_lint, localize
 from parity.cases import Case
-from parity.check import CheckPlan
+from parity.check import CheckPlan, run_check
 from parity.data import make_data
-from parity.diagnose import explain_operand
-from parity.mistakes import OperandSources, operand_hypotheses
+from parity.diagnose import _closeness, explain_operand, explain_result
 from parity.impls import load_impl
-from parity.recipes import RECIPES
+from parity.mistakes import OperandSources, Stage, operand_hypotheses, quantize_mistaken
+from parity.recipes import RECIPES, Cast, Scaling
+from parity.vocabulary import BugClass
 
 USER_CODE = textwrap.dedent('''
     import torch
@@ -541,7 +545,6 @@ def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, mo
     """On an H200, cuBLASLt rejects a column-major A: the implementation raises in grad_weight. The rule the
     rejected call breaks names the class (layout, grad_output's transpose handed as a view), and the crash is
     reported beside it; here the CPU kernel is made to reject such calls as SM90's does, in this process."""
-    from parity import cpu_gemm
     fast = cpu_gemm._fast
 
     def rejecting(a, b, *args, **kwargs):
@@ -561,8 +564,6 @@ def test_fast_accumulation_flag_in_torchaos_unit_scale_form_is_all_a_cpu_can_sho
     recipe wants fast accumulation the flag is then the only difference, and so it is where a GEMM the recipe
     runs that way asks for it; either is marked as one only a GPU's numbers show (bisect on the H200 names
     "only on the GPU" from it; held-out set 15's h15_b32 had the unit scales reported beside the flag)."""
-    from parity.bisect import _is_gpu_lint
-    from parity.check import run_check
     result = run_check(CheckPlan.make(load_impl(f"{user_file}:{name}", recipe="rowwise")), max_examples=10)
     assert result.verdict == "fail" and result.violations
     assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
@@ -635,15 +636,14 @@ def test_a_high_precision_gemm_run_in_bf16_is_precision(user_file):
 def test_an_intermediate_overflow_is_saturation_not_a_misapplied_scale():
     """A result whose finite elements are right and whose Inf sit where the exact result is finite: no
     rescaling hypothesis may explain it by its finite part alone (the Inf must match too)."""
-    from parity.diagnose import explain_result
     case = Case(lead=(32,), K=16, N=16, input_dtype="fp16")
     exact = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     got = exact.to(torch.float16)
     got[::3, ::2] = float("inf")
-    category, message, *_ = explain_result(got, exact, case, "grad_input", RECIPES["rowwise"],
-                                           scales=(torch.full((32, 1), 2.0 ** -6, dtype=torch.float64),
-                                                   torch.full((1, 16), 2.0 ** -7, dtype=torch.float64)))
-    assert category == "saturation", message
+    explained = explain_result(got, exact, case, "grad_input", RECIPES["rowwise"],
+                               scales=(torch.full((32, 1), 2.0 ** -6, dtype=torch.float64),
+                                       torch.full((1, 16), 2.0 ** -7, dtype=torch.float64)))
+    assert explained.category == "saturation", explained.description
 
 
 def test_one_ulp_is_a_rounding_level_difference_never_a_structural_bug(user_file):
@@ -692,9 +692,8 @@ def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe
             source = sources.view("output", role, hypothesis.source)
             if source is None or hypothesis.keeps_high_precision:  # not fp8: a recorded call's dtype says it
                 continue
-            from parity.mistakes import quantize_mistaken as _quantize
-            q = _quantize(source, cast, RECIPES[recipe], hypothesis.options)
-            correct = _quantize(sources.view("output", role, "same"), cast, RECIPES[recipe], {})
+            q = quantize_mistaken(source, cast, RECIPES[recipe], hypothesis)
+            correct = quantize_mistaken(sources.view("output", role, "same"), cast, RECIPES[recipe])
             if q is None or (torch.equal(q.values, correct.values) and torch.equal(q.inv_scale, correct.inv_scale)):
                 continue  # this data does not tell the mistake apart
             if q.fp8_dtype != cast.dtype:  # ends in another fp8 format: a recorded call's dtype says it
@@ -706,22 +705,65 @@ def test_every_hypothesis_of_the_space_is_recognised_from_its_own_operand(recipe
             if found[1] != hypothesis.category:  # only where another mistake gives exactly this operand here
                 named = next(h for h in operand_hypotheses(cast, RECIPES[recipe], rows, inner)
                              if h.description == found[2])
-                twin = _quantize(sources.view("output", role, named.source), cast, RECIPES[recipe], named.options)
+                twin = quantize_mistaken(sources.view("output", role, named.source), cast, RECIPES[recipe], named)
                 assert twin is not None and torch.equal(twin.values.nan_to_num(), q.values.nan_to_num()) \
                     and torch.equal(twin.inv_scale, q.inv_scale), (hypothesis.description, found)
 
 
-def test_oracle_knob_without_eps_gives_infinite_scales():
-    q = oracles.quantize(torch.zeros(2, 16), torch.float8_e4m3fn, eps=0.0)
+def test_the_mistake_without_an_amax_floor_gives_infinite_scales():
+    cast = Cast(Scaling.TENSORWISE, "e4m3")
+    no_floor = next(h for h in operand_hypotheses(cast, RECIPES["tensorwise"], 2, 16)
+                    if h.description.startswith("no floor under amax"))
+    q = quantize_mistaken(torch.zeros(2, 16), cast, RECIPES["tensorwise"], no_floor)
     assert torch.isnan(q.values).all()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "reciprocal"])
+def test_the_hypothesis_space_is_data(recipe):
+    """Every hypothesis is a record: a description, a BugClass and the stage it changes, with that stage's
+    transform (or only its source moved); descriptions are unique per operand, every family's part is tried
+    in ORDER exactly once, and the reciprocal-scales rounding is a record another module can recognise."""
+    spec = RECIPES["tensorwise"] if recipe == "reciprocal" else RECIPES[recipe]
+    if recipe == "reciprocal":
+        spec = dataclasses.replace(spec, name="reciprocal", reciprocal_scales=True)
+    for fp8, (rows, inner) in itertools.product(("e4m3", "e5m2"), ((32, 16), (48, 48), (128, 256), (256, 128))):
+        cast = Cast(spec.gemm("output").a.scaling, fp8)
+        families = mistakes.hypothesis_families(cast, spec, rows, inner)
+        assert sorted(map(repr, families)) == sorted(map(repr, mistakes.ORDER)) and len(set(mistakes.ORDER)) == len(
+            mistakes.ORDER)
+        space = operand_hypotheses(cast, spec, rows, inner)
+        for hypotheses in (space, mistakes.high_precision_hypotheses()):
+            for h in hypotheses:
+                assert isinstance(h, mistakes.Hypothesis) and h.description and isinstance(h.bug_class, BugClass)
+                assert isinstance(h.stage, Stage) and all(isinstance(stage, Stage) for stage in h.changes)
+                assert h.transform is not None or h.source != "same" or h.amax_source != "same", h.description
+            assert len({h.description for h in hypotheses}) == len(hypotheses)
+        reciprocal = [h for h in space if h is mistakes.RECIPROCAL_SCALES_HYPOTHESIS]
+        assert len(reciprocal) == (recipe != "reciprocal") and all(
+            h.description == mistakes.RECIPROCAL_SCALES for h in reciprocal)
+    # every stage of the cast a hypothesis can change is a stage of the recipe's cast
+    assert {stage.value for stage in mistakes.CAST_STAGES} <= {f.name for f in dataclasses.fields(oracles.CastStages)}
+
+
+def test_the_result_mistakes_are_data():
+    """The result stage's mistakes are records too (description, BugClass, what they blame, a transform),
+    tried in order: misapplied scales, a rescaling, transpositions, the bias, a second rounding."""
+    case = Case(lead=(16,), K=16, N=16, bias=True, input_dtype="fp16")
+    exact = torch.randn(16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    scales = (torch.full((16, 1), 2.0 ** -6, dtype=torch.float64), torch.full((1, 16), 2.0 ** -7, dtype=torch.float64))
+    found = mistakes.result_mistakes((exact * 2).to(torch.float16), exact, case, "output", RECIPES["rowwise"],
+                                     has_bias=True, scales=scales)
+    # (rowwise writes bf16 and then fp16: of the dtypes a result could be rounded through, only float32 is left)
+    assert [m.bug_class for m in found] == [BugClass.SCALE] * 7 + [BugClass.TRANSPOSE] * 2 + [BugClass.CONTRACT] * 2 \
+        + [BugClass.ACCUMULATION]
+    assert {m.operand for m in found[:6]} == {"input", "weight", "result"} and len({m.description for m in found}) == 12
+    assert found[6].description == "the result multiplied by 2 (= 2^1) after its GEMM"
+    assert all(callable(m.transform) and m.bit_exact == (m.bug_class is BugClass.ACCUMULATION) for m in found)
 
 
 def test_closeness_needs_the_same_nan_and_inf():
     """A hypothesis explains NaN only if it makes NaN at the same places (an amax without its
     floor on an all-zero tile), never by an SQNR computed around them."""
-    import math
-
-    from parity.diagnose import _closeness
     zeros, nan = torch.zeros(4), torch.full((4,), math.nan)
     assert _closeness(nan, zeros) == -math.inf
     assert _closeness(zeros, nan) == -math.inf

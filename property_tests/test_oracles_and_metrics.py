@@ -10,9 +10,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fp8_impl
+from fp8_impl import Float8LinearConfig
 from parity import oracles
+from parity.cases import Case
+from parity.impls import load_impl
 from parity.metrics import compare, describe_mismatch, ulp
 from parity.metrics import sqnr_db as metrics_sqnr_db
+from parity.recipes import FP8_DTYPES, FP8_FORMATS, RECIPES, Cast, Scaling
+from parity.runner import all_pairs, run_case
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 
@@ -44,6 +49,46 @@ def test_emulated_quantization_equals_fp8_impl(x):
         q = oracles.quantize(tensor, fp8)  # a 1-D tensor is one row
         assert torch.equal(q.values, data.to(torch.float64).reshape(1, -1))
         assert q.inv_scale.item() == inv_scale.item()
+
+
+def test_the_fp8_format_table_is_torchs():
+    """parity's one table of fp8 formats agrees with torch on every format: its max, its smallest normal
+    number and its mantissa bits (the grid points in [1, 2)); oracles.FORMATS is the same table by dtype."""
+    for name, fmt in FP8_FORMATS.items():
+        finfo = torch.finfo(fmt.dtype)
+        grid = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).to(torch.float32)
+        assert fmt.name == name and oracles.FORMATS[fmt.dtype] is fmt
+        assert fmt.max == finfo.max and 2.0 ** fmt.min_exponent == finfo.smallest_normal, name
+        assert int(((grid >= 1) & (grid < 2)).sum()) == 2 ** fmt.mantissa_bits, name
+    assert FP8_DTYPES == {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # what recipes cast to
+
+
+_T4, _T5, _A4 = Cast(Scaling.TENSORWISE, "e4m3"), Cast(Scaling.TENSORWISE, "e5m2"), Cast(Scaling.AXISWISE, "e4m3")
+_INV_224 = 0.004464285913854837  # float32(1 / 224), the float32 reciprocal of the scale 224
+
+
+@pytest.mark.parametrize("x, cast, rounding, values, inv_scale", [
+    # amax 0: the EPS floor, not a NaN: the scale float32(448 / 1e-12), every value 0
+    ([[0.0] * 4] * 2, _T4, {}, [[0.0] * 4] * 2, [[2.2321429389771845e-15]]),
+    # one all-zero row among axis scales: only that row takes the floor
+    ([[0.0, 0.0], [2.0, 1.0]], _A4, {}, [[0.0, 0.0], [448.0, 224.0]], [[2.2321429389771845e-15], [_INV_224]]),
+    # amax a power of two: the scale 448 / 2 = 224 is exact, and 2 lands on 448
+    ([[2.0, -1.0, 0.5, 0.25]], _T4, {}, [[448.0, -224.0, 112.0, 56.0]], [[_INV_224]]),
+    # ... rounded down to a power of two (rowwise): 128
+    ([[2.0, -1.0, 0.5, 0.25]], _A4, {"pow2": True}, [[256.0, -128.0, 64.0, 32.0]], [[2.0 ** -7]]),
+    # a value at the fp8 max: the scale 1 (e4m3), 57344 / 448 = 128 (e5m2)
+    ([[448.0, -448.0, 1.0]], _T4, {}, [[448.0, -448.0, 1.0]], [[1.0]]),
+    ([[448.0, -448.0, 1.0]], _T5, {}, [[57344.0, -57344.0, 128.0]], [[2.0 ** -7]]),
+    # amax 13: 448 / 13 rounds up in float32, so 13 x scale rounds past 448 and saturates back onto it
+    ([[13.0, 1.0]], _T4, {}, [[448.0, 36.0]], [[0.02901785634458065]]),
+    # amax 3: the quotient rounded once (149.33333) or through a float32 reciprocal (149.33334)
+    ([[3.0, 1.0]], _T4, {}, [[448.0, 144.0]], [[0.0066964286379516125]]),
+    ([[3.0, 1.0]], _T4, {"via_reciprocal": True}, [[448.0, 144.0]], [[0.006696428172290325]]),
+])
+def test_the_correct_quantization_on_hand_made_edge_cases(x, cast, rounding, values, inv_scale):
+    q = oracles.quantize(torch.tensor(x), cast, **rounding)
+    assert q.values.tolist() == values and q.inv_scale.tolist() == inv_scale
+    assert q.fp8_dtype == cast.dtype and q.tile == cast.scaling.tile(*q.values.shape)
 
 
 def test_emulated_gemm_is_exact():
@@ -99,9 +144,6 @@ def test_describe_mismatch_reads_like_assert_close():
 
 def test_the_exact_emulation_runs_once_per_case_for_any_number_of_impls(monkeypatch):
     """Sweeps compare many impls against `emulated`: its bound's emulation is computed once per step."""
-    from parity.cases import Case
-    from parity.impls import load_impl
-    from parity.runner import all_pairs, run_case
     calls = []
     real = oracles.emulate_linear
     monkeypatch.setattr(oracles, "emulate_linear", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
@@ -117,8 +159,6 @@ def test_the_exact_emulation_runs_once_per_case_for_any_number_of_impls(monkeypa
 def test_emulated_quantization_equals_fp8_impl_for_every_granularity(recipe, generator):
     """The oracle's axis and tile quantization reproduces fp8_impl's fp8 values and inverse scales
     bit for bit (fp8_impl is bitwise equal to torchao for the rowwise recipes)."""
-    from fp8_impl import Float8LinearConfig
-    from parity.recipes import RECIPES
     config, spec = Float8LinearConfig.from_recipe_name(recipe), RECIPES[recipe]
     x = torch.randn(256, 384, generator=generator).to(torch.bfloat16)
     x[7] = 0  # an all-zero row: the EPS floor, not a NaN
