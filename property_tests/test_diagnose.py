@@ -16,6 +16,7 @@ from parity.cases import Case
 from parity.check import CheckPlan
 from parity.data import make_data
 from parity.diagnose import explain_operand
+from parity.findings import labels
 from parity.mistakes import OperandSources, operand_hypotheses
 from parity.impls import load_impl
 from parity.recipes import RECIPES
@@ -534,7 +535,7 @@ def test_a_crash_unless_two_dims_are_equal_is_diagnosed_where_it_runs(user_file)
     result = bisect(user_file, "weight_read_transposed", case=Case(lead=(32,), K=16, N=48))  # raises here
     assert (result.first, result.category, result.operand) == ("grad_input", "transpose", "weight"), \
         (result.category, result.evidence)
-    assert result.crash and "only when K != N" in result.crash["trigger"], result.crash
+    assert result.crash and "only when K != N" in labels(result.crash.triggers), result.crash
 
 
 def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, monkeypatch):
@@ -552,7 +553,7 @@ def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, mo
     result = bisect(user_file, "grad_weight_column_major_a", isolate=False)
     assert (result.first, result.category, result.operand) == ("grad_weight", "layout", "grad_output"), \
         (result.category, result.evidence)
-    assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash["message"], result.crash
+    assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash.message, result.crash
 
 
 @pytest.mark.parametrize("name", ["rowwise_output_without_fast_accum", "rowwise_grad_gemms_fast"])
@@ -561,8 +562,8 @@ def test_fast_accumulation_flag_in_torchaos_unit_scale_form_is_all_a_cpu_can_sho
     recipe wants fast accumulation the flag is then the only difference, and so it is where a GEMM the recipe
     runs that way asks for it; either is marked as one only a GPU's numbers show (bisect on the H200 names
     "only on the GPU" from it; held-out set 15's h15_b32 had the unit scales reported beside the flag)."""
-    from parity.bisect import _is_gpu_lint
     from parity.check import run_check
+    from parity.localization import is_gpu_lint as _is_gpu_lint
     result = run_check(CheckPlan.make(load_impl(f"{user_file}:{name}", recipe="rowwise")), max_examples=10)
     assert result.verdict == "fail" and result.violations
     assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
@@ -662,7 +663,7 @@ def test_a_crash_does_not_hide_the_numbers_before_it(user_file):
     the forward's, and the crash is reported beside it."""
     result = bisect(user_file, "wrong_then_crash")
     assert (result.category, result.first, result.operand) == ("fp8_dtype", "output", "weight"), result.evidence
-    assert result.crash is not None and "mat1 and mat2 shapes" in result.crash["message"]
+    assert result.crash is not None and "mat1 and mat2 shapes" in result.crash.message
 
 
 def test_a_gemm_computed_as_its_transpose_is_not_an_operand_bug(user_file):
