@@ -2,7 +2,7 @@
 
 The candidate runs the case once more, in this process, with its _scaled_mm calls recorded (and
 their tensors kept). Its findings come, in this order, from: the recorded calls against the recipe's
-oracle, stage by stage (parity.diagnose.call_findings; a scale no single mistake reproduces may be
+oracle, stage by stage (parity.call_diagnosis.call_findings; a scale no single mistake reproduces may be
 one kept from the call before); the calls an H100 rejects (parity.contract's GPU rules); unit scales
 in a call; the results' contract (dtype, shape, strides, operands written in place); the result
 stage of a GEMM whose calls are the recipe's; GEMMs that made no call, by behaviour

@@ -98,6 +98,8 @@ class ScaledMMCall:
     step: int = 0
     data: CallData | None = field(default=None, compare=False, repr=False)
     raised: bool = False  # the kernel rejected the call: no result came of it
+    # what it raised (first line), for a reader: no decision reads it (ended_case tells the crash it caused)
+    error: str = field(default="", compare=False)
     # its exception is the one that ended the case (parity.runner.execute tells: the same exception object)
     ended_case: bool = field(default=False, compare=False)
 
@@ -187,7 +189,8 @@ class ScaledMMRecorder(TorchDispatchMode):
             try:
                 return func(*args, **kwargs)
             except BaseException as err:
-                self.calls[index] = replace(self.calls[index], raised=True)
+                self.calls[index] = replace(self.calls[index], raised=True,
+                                            error=(str(err).strip().splitlines() or [""])[0][:300])
                 self.exceptions[index] = err
                 raise
         kernel = custom_op_kernel(func, args)
