@@ -117,6 +117,7 @@ class Row:
     dist: str
     seed: int
     steps: int
+    path: str | None = None  # a saved case's file (parity.cases.SavedCase)
     ndim: int
     M: int
     # what is compared with what, and how it is judged
@@ -187,7 +188,8 @@ class Row:
 
 
 COLUMNS = tuple(f.name for f in fields(Row))
-OPTIONAL_COLUMNS = ("shape", "gpu")  # in a table only where some row has them (a sweep's; a sharded sweep's)
+# in a table only where some row has them: a saved case's file; a sweep's label; a sharded sweep's device
+OPTIONAL_COLUMNS = ("path", "shape", "gpu")
 _JOINED = {"contract", "scaled_mm", "operands"}  # "; "-joined problems and findings
 
 
@@ -235,7 +237,7 @@ def _read(record: Mapping) -> Row:
     stages = _text(values.get("operand_stages"))  # a list of stage names
     values["operand_stages"] = frozenset(Stage(s) for s in stages.split(",")) if stages else frozenset()
     values["skipped"] = _text(values.get("skipped")) or None
-    for name in ("recipe", "policy", "shape", "gpu", "dtype", "reference_recipe"):
+    for name in ("recipe", "policy", "path", "shape", "gpu", "dtype", "reference_recipe"):
         if name in values and not isinstance(values[name], str):
             values[name] = "" if name in ("recipe", "policy") else None
     return Row(**values)
