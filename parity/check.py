@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 
 import pandas as pd
 import torch
-from hypothesis import HealthCheck, Phase, find, settings
+from hypothesis import HealthCheck, Phase, find
+from hypothesis import settings as hypothesis_settings
 from hypothesis.errors import NoSuchExample
 
 from parity.cases import Case, edge_cases, shrink
@@ -24,9 +25,12 @@ from parity.env import environment
 from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
-from parity.runner import Comparison, run_case_isolated
-from parity.worker import Worker, isolation
+from parity.rows import Row, row_key
+from parity.rows import frame as rows_frame
+from parity.runner import Comparison, isolation, run_case_isolated
 from parity.strategies import cases as case_strategy
+from parity.vocabulary import Kind, Tensor, Verdict
+from parity.worker import Worker
 
 
 @dataclass
@@ -63,21 +67,21 @@ class CheckPlan:
     def unsupported(self, case: Case, device_type: str) -> str | None:
         return self.candidate.unsupported(case, device_type) or self.reference.unsupported(case, device_type)
 
-    def judge(self, rows: Sequence[dict]) -> list[Violation]:
+    def judge(self, rows: Sequence[Row]) -> list[Violation]:
         return evaluate(rows, impls=[self.candidate.name])
 
-    def reference_errors(self, rows: Sequence[dict]) -> list[str]:
-        return sorted({f"{r['reference']}: {r['reference_error']}" for r in rows if r.get("reference_error")})
+    def reference_errors(self, rows: Sequence[Row]) -> list[str]:
+        return sorted({f"{r.reference}: {r.reference_error}" for r in rows if r.reference_error is not None})
 
 
 @dataclass
 class CheckResult:
-    verdict: str  # "pass" | "fail" | "error"
+    verdict: Verdict
     plan: CheckPlan
     device: str
     cases_run: int
     seconds: float
-    rows: list[dict] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     minimal_case: Case | None = None
     error: str | None = None
@@ -106,140 +110,178 @@ def _jsonable(value):
     return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
+@dataclass
+class CheckOptions:
+    """How run_check searches, beside its device, budget and cases (see run_check)."""
+
+    max_dim: int = 256
+    max_tokens: int = 256
+    seed: int = 0
+    derandomize: bool = True
+    rerun_command: Callable[[Case], str] | None = None
+    progress: Callable[[int, int], None] | None = None
+    isolate: bool | None = None
+    time_limit: float | None = None
+    runner: Worker | None = None
+    rerun_alone: bool = True
+
+
 def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, cases: Sequence[Case] | None = None,
-              max_dim: int = 256, max_tokens: int = 256, seed: int = 0, derandomize: bool = True,
-              rerun_command: Callable[[Case], str] | None = None,
-              progress: Callable[[int, int], None] | None = None, isolate: bool | None = None,
-              time_limit: float | None = None, runner: Worker | None = None, rerun_alone: bool = True) -> CheckResult:
+              **options) -> CheckResult:
     """Explicit `cases` run as given; otherwise edge cases, then a hypothesis search of
     `max_examples` cases with shrinking of the first failure. Cases an implementation cannot take
     are skipped with the reason; a check in which no case could run is an error, not a pass.
-    With `isolate` (default: when any implementation is not a built-in; parity.worker.isolation)
-    every case runs in a worker process, within `time_limit`
-    seconds (default: one that fits the case's size), in `runner` if given (kept open). A failure found
-    after other cases ran in the worker is run again alone in a fresh one (`rerun_alone`), to say
-    whether it needs what ran before."""
-    if runner is not None:
-        return _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize,
-                          rerun_command, progress, runner, time_limit, rerun_alone)
-    with isolation(plan.comparisons, device, isolate) as runner:
-        return _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize,
-                          rerun_command, progress, runner, time_limit, rerun_alone)
+
+    `options` (CheckOptions): max_dim, max_tokens, seed and derandomize shape the search; with
+    `isolate` (default: when any implementation is not a built-in; parity.runner.isolation) every
+    case runs in a worker process, within `time_limit` seconds (default: one that fits the case's
+    size), in `runner` if given (kept open). A failure found after other cases ran in the worker is
+    run again alone in a fresh one (`rerun_alone`), to say whether it needs what ran before.
+    `rerun_command(case)` gives the result's rerun line; `progress(done, planned)` follows each case."""
+    settings = CheckOptions(**options)
+    if settings.runner is not None:
+        return _Check(plan, device, max_examples, settings, settings.runner).run(cases)
+    with isolation(plan.comparisons, device, settings.isolate) as runner:
+        return _Check(plan, device, max_examples, settings, runner).run(cases)
 
 
-def _run_check(plan, device, max_examples, cases, max_dim, max_tokens, seed, derandomize, rerun_command, progress,
-               runner, time_limit, rerun_alone) -> CheckResult:
-    start = time.perf_counter()
-    all_rows: list[dict] = []
-    counter = {"cases": 0, "skipped": {}}
-    device_type = torch.device(device).type
+class _Check:
+    """One run of run_check: the cases run so far, their rows and judgements."""
 
-    outcomes: dict[str, tuple[list[dict], list[Violation], list[str]]] = {}
+    def __init__(self, plan: CheckPlan, device: str, max_examples: int, settings: CheckOptions,
+                 runner: Worker | None):
+        self.plan, self.device, self.max_examples = plan, device, max_examples
+        self.settings, self.runner = settings, runner
+        self.start = time.perf_counter()
+        self.device_type = torch.device(device).type
+        self.rows: list[Row] = []
+        self.cases_run, self.skipped = 0, {}
+        self.outcomes: dict[str, tuple[list[Row], list[Violation], list[str]]] = {}
+        self.ran: list[Case] = []
 
-    def run(case: Case) -> tuple[list[dict], list[Violation], list[str]]:
-        rows = run_case_isolated(case, plan.comparisons, device=device, runner=runner, time_limit=time_limit)
-        counter["cases"] += 1
-        reason = plan.unsupported(case, device_type)
+    def rows_of(self, case: Case) -> list[Row]:
+        return run_case_isolated(case, self.plan.comparisons, device=self.device, runner=self.runner,
+                                 time_limit=self.settings.time_limit)
+
+    def judged(self, case: Case) -> tuple[list[Row], list[Violation], list[str]]:
+        rows = self.rows_of(case)
+        self.cases_run += 1
+        reason = self.plan.unsupported(case, self.device_type)
         if reason:
-            counter["skipped"][case.id] = reason
-        all_rows.extend(rows)
-        if progress is not None:
-            progress(counter["cases"], max_examples)
-        outcomes[case.id] = (rows, plan.judge(rows), plan.reference_errors(rows))
-        return outcomes[case.id]
+            self.skipped[case.id] = reason
+        self.rows.extend(rows)
+        if self.settings.progress is not None:
+            self.settings.progress(self.cases_run, self.max_examples)
+        self.outcomes[case.id] = (rows, self.plan.judge(rows), self.plan.reference_errors(rows))
+        return self.outcomes[case.id]
 
-    def finish(verdict: str, violations=(), minimal=None, error=None) -> CheckResult:
-        if verdict == "pass" and counter["skipped"] and len(counter["skipped"]) == counter["cases"]:
-            verdict, error = "error", (f"no case could run here: {next(iter(counter['skipped'].values()))} "
-                                       f"({counter['cases']} cases skipped)")
-        return CheckResult(verdict, plan, device, counter["cases"], time.perf_counter() - start, all_rows,
-                           list(violations), minimal, error,
-                           rerun_command(minimal) if (minimal is not None and rerun_command) else None,
-                           skipped=dict(counter["skipped"]))
+    def finish(self, verdict: Verdict, violations=(), minimal=None, error=None) -> CheckResult:
+        if verdict is Verdict.PASS and self.skipped and len(self.skipped) == self.cases_run:
+            verdict, error = Verdict.ERROR, (f"no case could run here: {next(iter(self.skipped.values()))} "
+                                             f"({self.cases_run} cases skipped)")
+        command = self.settings.rerun_command
+        return CheckResult(verdict, self.plan, self.device, self.cases_run, time.perf_counter() - self.start,
+                           self.rows, list(violations), minimal, error,
+                           command(minimal) if (minimal is not None and command) else None, skipped=dict(self.skipped))
 
-    def violates(case: Case) -> bool:
-        ran.append(case)
-        _, violations, ref_errors = run(case)
+    def violates(self, case: Case) -> bool:
+        self.ran.append(case)
+        _, violations, ref_errors = self.judged(case)
         return bool(violations or ref_errors)
 
-    def conclude(case: Case) -> CheckResult:
-        _, violations, ref_errors = outcomes.get(case.id) or run(case)
+    def conclude(self, case: Case) -> CheckResult:
+        _, violations, ref_errors = self.outcomes.get(case.id) or self.judged(case)
         if ref_errors:
-            return finish("error", error=f"a reference failed on {case.id}: {'; '.join(ref_errors)}", minimal=case)
+            return self.finish(Verdict.ERROR, error=f"a reference failed on {case.id}: {'; '.join(ref_errors)}",
+                               minimal=case)
         note = None
-        if rerun_alone and runner is not None and counter["cases"] > 1:  # does it need what ran before it?
-            runner.close()
-            if not plan.judge(run_case_isolated(case, plan.comparisons, device=device, runner=runner,
-                                                time_limit=time_limit)):
+        # does it need what ran before?
+        if self.settings.rerun_alone and self.runner is not None and self.cases_run > 1:
+            self.runner.close()
+            if not self.plan.judge(self.rows_of(case)):
                 note = (f"{case.id} fails after the cases before it ran in the same process, and passes alone: the "
                         f"implementation keeps state across calls (stale state); the rerun command below runs the "
                         f"case alone and passes")
-        result = finish("fail", violations, case)
+        result = self.finish(Verdict.FAIL, violations, case)
         result.note = note
         return result
 
-    def repeated() -> CheckResult:
+    def repeated(self) -> CheckResult:
         """A pass needs the same results twice: the first case that ran runs again, in the same
         process; any metric of the candidate that moved is a finding (randomness, or state kept
         from the calls before)."""
-        first = next((outcomes[c] for c in outcomes if c not in counter["skipped"]), None)
+        first = next((self.outcomes[c] for c in self.outcomes if c not in self.skipped), None)
         if first is None:
-            return finish("pass")
+            return self.finish(Verdict.PASS)
         rows = first[0]
-        case = next(case for case in ran if case.id == rows[0]["case_id"])
-        again = {_row_key(r): r for r in run_case_isolated(case, plan.comparisons, device=device, runner=runner,
-                                                            time_limit=time_limit)}
-        moved = [Violation(case.id, row["impl"], row["reference"], row["tensor"], row["step"], "determinism",
-                           _repeat_value(again.get(_row_key(row))), _repeat_value(row),
-                           f"{row['tensor']} (step {row['step']}): a second run of the same case gave other "
-                           f"results ({_repeat_value(row)} the first time, {_repeat_value(again.get(_row_key(row)))} "
-                           f"the second, against {row['reference']}): the implementation is not deterministic or "
-                           f"keeps state across calls")
-                 for row in rows if row["impl"] == plan.candidate.name and not row.get("skipped")
-                 and _repeat_value(row) != _repeat_value(again.get(_row_key(row)))]
-        return finish("fail", moved[:6], case) if moved else finish("pass")
+        case = next(case for case in self.ran if case.id == rows[0].case_id)
+        again = {row.key: row for row in self.rows_of(case)}
+        moved = [_moved(row, again.get(row.key)) for row in rows
+                 if row.impl == self.plan.candidate.name and not row.skipped
+                 and _Repeat.of(row) != _Repeat.of(again.get(row.key))]
+        return self.finish(Verdict.FAIL, moved[:6], case) if moved else self.finish(Verdict.PASS)
 
-    explicit = cases is not None
-    ran: list[Case] = []
-    shrunk = lambda case: shrink(case, violates, alignment=plan.alignment)  # noqa: E731
-    for case in (cases if explicit else edge_cases(seed=seed, alignment=plan.alignment)):
-        if violates(case):
-            return conclude(case if explicit else shrunk(case))
-    if explicit:
-        return repeated()
-
-    search_settings = settings(
-        max_examples=max(1, max_examples), database=None, deadline=None, derandomize=derandomize,
-        suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
-    )
-    strategy = case_strategy(max_dim=max(max_dim, plan.alignment), max_tokens=max(max_tokens, plan.alignment),
-                             alignment=plan.alignment).filter(lambda case: plan.unsupported(case, device_type) is None)
-    try:
-        minimal = find(strategy, violates, settings=search_settings, random=random.Random(seed))
-    except NoSuchExample:
-        return repeated()
-    return conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps
+    def run(self, cases: Sequence[Case] | None) -> CheckResult:
+        plan, settings = self.plan, self.settings
+        explicit = cases is not None
+        shrunk = lambda case: shrink(case, self.violates, alignment=plan.alignment)  # noqa: E731
+        for case in (cases if explicit else edge_cases(seed=settings.seed, alignment=plan.alignment)):
+            if self.violates(case):
+                return self.conclude(case if explicit else shrunk(case))
+        if explicit:
+            return self.repeated()
+        search_settings = hypothesis_settings(
+            max_examples=max(1, self.max_examples), database=None, deadline=None, derandomize=settings.derandomize,
+            suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
+        )
+        strategy = case_strategy(max_dim=max(settings.max_dim, plan.alignment),
+                                 max_tokens=max(settings.max_tokens, plan.alignment), alignment=plan.alignment
+                                 ).filter(lambda case: plan.unsupported(case, self.device_type) is None)
+        try:
+            minimal = find(strategy, self.violates, settings=search_settings, random=random.Random(settings.seed))
+        except NoSuchExample:
+            return self.repeated()
+        return self.conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps
 
 
-def _row_key(row: dict) -> tuple:
-    return row["impl"], row["reference"], row["tensor"], row["step"]
+@dataclass(frozen=True)
+class _Repeat:
+    """What a repeated run must reproduce exactly: the error, or the differences from the reference (the
+    numbers as shown, to 6 significant digits)."""
+
+    error: str | None = None
+    differences: str | None = None
+    missing: bool = False
+
+    @classmethod
+    def of(cls, row: Row | None) -> "_Repeat":
+        if row is None:
+            return cls(missing=True)
+        if row.error is not None:
+            return cls(error=str(row.error))
+        return cls(differences=f"{row.n_diff} elements differ, SQNR {row.sqnr_db:.6g} dB, "
+                               f"max abs err {row.max_abs_err:.6g}, {row.nan} NaN")
+
+    def __str__(self) -> str:
+        if self.missing:
+            return "no result"
+        return f"error {self.error!r}" if self.error is not None else self.differences
 
 
-def _repeat_value(row: dict | None) -> str:
-    """What a repeated run must reproduce exactly: the error, or the differences from the reference."""
-    if row is None:
-        return "no result"
-    if isinstance(row.get("error"), str):
-        return f"error {row['error']!r}"
-    return (f"{row['n_diff']} elements differ, SQNR {row['sqnr_db']:.6g} dB, "
-            f"max abs err {row['max_abs_err']:.6g}, {row['nan']} NaN")
+def _moved(row: Row, again: Row | None) -> Violation:
+    first, second = _Repeat.of(row), _Repeat.of(again)
+    return Violation(kind=Kind.DETERMINISM, case_id=row.case_id, impl=row.impl, reference=row.reference,
+                     tensor=Tensor(row.tensor), step=row.step, value=str(second), allowed=str(first),
+                     message=f"{row.tensor} (step {row.step}): a second run of the same case gave other results "
+                             f"({first} the first time, {second} the second, against {row.reference}): the "
+                             f"implementation is not deterministic or keeps state across calls")
 
 
 # ---- presentation -------------------------------------------------------------------------------------
 
-def summary_table(rows: Sequence[dict], plan: CheckPlan) -> pd.DataFrame:
+def summary_table(rows: Sequence[Row], plan: CheckPlan) -> pd.DataFrame:
     """Per reference and tensor: cases, bitwise rate, worst SQNR and ULP distance."""
-    frame = pd.DataFrame.from_records([r for r in rows if r["impl"] == plan.candidate.name and not r.get("skipped")])
+    frame = rows_frame([r for r in rows if r.impl == plan.candidate.name and not r.skipped])
     if frame.empty:
         return frame
     grouped = frame.groupby(["reference", "tensor"], sort=False)
@@ -256,7 +298,7 @@ def summary_table(rows: Sequence[dict], plan: CheckPlan) -> pd.DataFrame:
 def render(result: CheckResult) -> str:
     """What `fp8-parity check` prints."""
     plan = result.plan
-    head = {"pass": "PASS", "fail": "FAIL", "error": "ERROR"}[result.verdict]
+    head = result.verdict.value.upper()
     lines = [f"{head}: {plan.candidate.name} ({plan.candidate.recipe.name} recipe) against {plan.reference.name} "
              f"({plan.policy.value} policy) on {result.device}: {result.cases_run} cases in {result.seconds:.1f} s", ""]
     if result.skipped:
@@ -270,12 +312,7 @@ def render(result: CheckResult) -> str:
         lines += [f"error: {result.error}", ""]
     if result.violations:
         lines.append(f"Minimal failing case: {result.minimal_case.id}")
-        rows = {(r["case_id"], r["reference"], r["tensor"], r["step"]): r for r in result.rows}
-        for violation in result.violations[:12]:
-            lines.append(f"  [{violation.metric}] {violation.message}")
-            row = rows.get((violation.case_id, violation.reference, violation.tensor, violation.step))
-            if row is not None and violation.metric in ("bitwise", "accumulation_bound", "sqnr_db"):
-                lines.append("    " + describe_mismatch(row, allowed=str(violation.allowed)).replace("\n", "\n    "))
+        lines += violation_lines(result.violations[:12], result.rows, indent="  ")
         if len(result.violations) > 12:
             lines.append(f"  ... and {len(result.violations) - 12} more (see --json)")
         lines.append("")
@@ -284,6 +321,25 @@ def render(result: CheckResult) -> str:
     if result.rerun:
         lines += ["Rerun exactly this case:", f"  {result.rerun}"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+MISMATCH_KINDS = (Kind.BITWISE, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB)  # shown with their row's metrics
+
+
+def violation_lines(violations: Sequence[Violation], rows: Sequence[Row], *, indent: str = "",
+                    full: bool = False) -> list[str]:
+    """Each violation's line ("[metric] message"; `full`: with its detail), and under a numeric one the
+    assert_close-style table of its row (parity.metrics.describe_mismatch), indented two more."""
+    by_key = {row.key: row for row in rows}
+    lines, deeper = [], indent + "  "
+    for violation in violations:
+        lines.append(f"{indent}[{violation.metric}] {violation.full_message if full else violation.message}")
+        row = by_key.get(row_key(violation.case_id, violation.impl, violation.reference, violation.tensor,
+                                 violation.step))
+        if row is not None and violation.kind in MISMATCH_KINDS:
+            table = describe_mismatch(row.record(), allowed=str(violation.allowed))
+            lines.append(deeper + table.replace("\n", "\n" + deeper))
+    return lines
 
 
 def rerun_command(impl: str, against: str, device: str, extra: Sequence[str] = ()) -> Callable[[Case], str]:

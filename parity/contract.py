@@ -27,6 +27,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parity.cases import Case, Layout
+from parity.recipes import BLOCK
+from parity.vocabulary import BugClass, Word
+
+try:  # torch's custom-op registry (private): without it, a custom op stays opaque to the recorder
+    from torch._library.custom_ops import _maybe_get_opdef
+except ImportError:  # another torch
+    _maybe_get_opdef = None
 
 aten = torch.ops.aten
 _V1_OPS = {aten._scaled_mm.default, aten._scaled_mm.out}
@@ -67,7 +74,9 @@ class ScaledMMCall:
     """One recorded scaled GEMM call: what cuBLASLt would be asked to do."""
 
     phase: str  # "forward" or "backward"
-    gemm: str  # "output", "grad_input", "grad_weight", or "grad_input|grad_weight" when shapes cannot tell
+    # the GEMMs its shapes fit: ("output",), ("grad_input",), ("grad_weight",), both backward GEMMs when
+    # M, K, N are not distinct, () when none
+    gemms: tuple
     a_shape: tuple
     a_stride: tuple
     a_dtype: str
@@ -89,27 +98,39 @@ class ScaledMMCall:
     step: int = 0
     data: CallData | None = field(default=None, compare=False, repr=False)
     raised: bool = False  # the kernel rejected the call: no result came of it
-    error: str = field(default="", compare=False)  # what it raised (first line), to tell the crash it caused
+    # what it raised (first line), for a reader: no decision reads it (ended_case tells the crash it caused)
+    error: str = field(default="", compare=False)
+    # its exception is the one that ended the case (parity.runner.execute tells: the same exception object)
+    ended_case: bool = field(default=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        """The GEMM as the text names it: "output", or "grad_input|grad_weight" when the shapes cannot tell."""
+        return _gemm_label(self.gemms)
 
     def describe(self) -> str:
         def operand(name, shape, stride, dtype):
             return f"{name} {dtype} {'x'.join(map(str, shape))} strides {tuple(stride)}"
         kinds = f"{self.scaling[0]}/{self.scaling[1]} " if self.scaling else ""
-        return (f"{self.gemm} GEMM: {operand('A', self.a_shape, self.a_stride, self.a_dtype)}, "
+        return (f"{self.label} GEMM: {operand('A', self.a_shape, self.a_stride, self.a_dtype)}, "
                 f"{operand('B', self.b_shape, self.b_stride, self.b_dtype)}, "
                 f"{kinds}scales {list(self.scale_a[0])}/{list(self.scale_b[0])}, out_dtype={self.out_dtype}, "
                 f"use_fast_accum={self.use_fast_accum}")
 
 
-def _guess_gemm(phase: str, a_shape: tuple, b_shape: tuple, M: int, K: int, N: int) -> str:
+def _gemm_label(gemms: tuple) -> str:
+    return "|".join(gemms) or "unknown"
+
+
+def _guess_gemms(phase: str, a_shape: tuple, b_shape: tuple, M: int, K: int, N: int) -> tuple:
     if phase == "forward":
-        return "output"
+        return ("output",)
     candidates = []
     if a_shape == (M, N) and b_shape == (N, K):
         candidates.append("grad_input")
     if a_shape == (N, M) and b_shape == (M, K):
         candidates.append("grad_weight")
-    return "|".join(candidates) or "unknown"
+    return tuple(candidates)
 
 
 def _v1_scaling(a_shape, scale_a: torch.Tensor, b_shape, scale_b: torch.Tensor) -> tuple[str, str]:
@@ -128,12 +149,11 @@ def custom_op_kernel(func, args):
     dispatch mode: the mode sees the op, not the _scaled_mm calls its kernel makes. A mode that
     runs this function itself, with the mode active again, sees them (and no recursion: the
     function is the op's body, not the op)."""
-    if func.namespace in ("aten", "prim", "prims"):
+    if func.namespace in ("aten", "prim", "prims") or _maybe_get_opdef is None:
         return None
     try:
-        from torch._library.custom_ops import _maybe_get_opdef
         opdef = _maybe_get_opdef(func)
-    except (ImportError, AttributeError, TypeError, ValueError):  # another torch: the op stays opaque
+    except (AttributeError, TypeError, ValueError):  # another torch: the op stays opaque
         return None
     if opdef is None:
         return None
@@ -156,6 +176,8 @@ class ScaledMMRecorder(TorchDispatchMode):
         self.M, self.K, self.N = M, K, N
         self.phase, self.step, self.keep_data = "forward", 0, keep_data
         self.calls: list[ScaledMMCall] = []
+        # what each rejected call raised, by its index in `calls` (kept apart: an exception need not pickle)
+        self.exceptions: dict[int, BaseException] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -169,12 +191,20 @@ class ScaledMMRecorder(TorchDispatchMode):
             except BaseException as err:
                 self.calls[index] = replace(self.calls[index], raised=True,
                                             error=(str(err).strip().splitlines() or [""])[0][:300])
+                self.exceptions[index] = err
                 raise
         kernel = custom_op_kernel(func, args)
         if kernel is not None:  # a torch.library custom op: its body runs here, its calls come through this mode
             with self:
                 return kernel(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def mark_ended_case(self, err: BaseException) -> None:
+        """Mark the calls whose exception is `err`, the one that ended the case (the same object: a call
+        rejected and caught, as code that falls back to its own GEMM does, is not marked)."""
+        for index, raised in self.exceptions.items():
+            if raised is err:
+                self.calls[index] = replace(self.calls[index], ended_case=True)
 
     def _record(self, v2: bool, args, kwargs) -> ScaledMMCall:
         names = _V2_ARGS if v2 else _V1_ARGS
@@ -193,7 +223,7 @@ class ScaledMMRecorder(TorchDispatchMode):
         data = CallData(a.detach().clone(), b.detach().clone(), scale_a.detach().clone(),
                         scale_b.detach().clone()) if self.keep_data else None
         return ScaledMMCall(
-            phase=self.phase, gemm=_guess_gemm(self.phase, tuple(a.shape), tuple(b.shape), self.M, self.K, self.N),
+            phase=self.phase, gemms=_guess_gemms(self.phase, tuple(a.shape), tuple(b.shape), self.M, self.K, self.N),
             a_shape=tuple(a.shape), a_stride=tuple(a.stride()), a_dtype=_dtype_name(a.dtype), a_align=a.data_ptr() % 16,
             b_shape=tuple(b.shape), b_stride=tuple(b.stride()), b_dtype=_dtype_name(b.dtype), b_align=b.data_ptr() % 16,
             scale_a=scale(scale_a), scale_b=scale(scale_b),
@@ -209,118 +239,204 @@ def _strided_as(shape: tuple, stride: tuple, want: tuple) -> bool:
     return all(size <= 1 or got == expected for size, got, expected in zip(shape, stride, want))
 
 
-def _scale_violations(call: ScaledMMCall, M: int, K: int, N: int) -> list[str]:
+class GpuRule(Word):
+    """A rule of SM90's scaled GEMM (cuBLASLt) that a call breaks (see the module docstring)."""
+
+    NOT_2D = "not_2d"
+    SHAPES_MISMATCH = "shapes_mismatch"
+    A_NOT_ROW_MAJOR = "a_not_row_major"
+    A_ROW_STRIDE = "a_row_stride"
+    B_NOT_COLUMN_MAJOR = "b_not_column_major"
+    B_COLUMN_STRIDE = "b_column_stride"
+    NOT_DIVISIBLE_BY_16 = "not_divisible_by_16"
+    BOTH_E5M2 = "both_e5m2"
+    SCALES_NOT_FLOAT32 = "scales_not_float32"
+    ROWWISE_SCALE_SHAPES = "rowwise_scale_shapes"
+    ROWWISE_SCALE_STRIDES = "rowwise_scale_strides"
+    BLOCKS_E4M3_ONLY = "blocks_e4m3_only"
+    A_BLOCK_SCALE_SHAPE = "a_block_scale_shape"
+    A_BLOCK_SCALE_STRIDES = "a_block_scale_strides"
+    B_BLOCK_SCALE_SHAPE = "b_block_scale_shape"
+    B_BLOCK_SCALE_STRIDES = "b_block_scale_strides"
+    BLOCKS_FAST_ACCUM = "blocks_fast_accum"
+    UNKNOWN_SCALES = "unknown_scales"
+    A_UNALIGNED = "a_unaligned"
+    B_UNALIGNED = "b_unaligned"
+    BIAS_WITH_FLOAT32_OUT = "bias_with_float32_out"
+    NO_OUT_DTYPE = "no_out_dtype"  # not an H100 rule: FP8 out, on any device
+
+
+# What each rule is about: the operand (a | b | call) and the bug class a call that breaks it shows
+RULES = {
+    GpuRule.NOT_2D: ("a", BugClass.CRASH), GpuRule.SHAPES_MISMATCH: ("call", BugClass.CRASH),
+    GpuRule.NOT_DIVISIBLE_BY_16: ("call", BugClass.CRASH), GpuRule.BOTH_E5M2: ("call", BugClass.FP8_DTYPE),
+    GpuRule.BLOCKS_E4M3_ONLY: ("call", BugClass.FP8_DTYPE), GpuRule.BLOCKS_FAST_ACCUM: ("call", BugClass.ACCUMULATION),
+    GpuRule.A_BLOCK_SCALE_SHAPE: ("a", BugClass.SCALE), GpuRule.A_BLOCK_SCALE_STRIDES: ("a", BugClass.SCALE),
+    GpuRule.B_BLOCK_SCALE_SHAPE: ("b", BugClass.SCALE), GpuRule.B_BLOCK_SCALE_STRIDES: ("b", BugClass.SCALE),
+    GpuRule.ROWWISE_SCALE_SHAPES: ("call", BugClass.SCALE), GpuRule.ROWWISE_SCALE_STRIDES: ("call", BugClass.SCALE),
+    GpuRule.SCALES_NOT_FLOAT32: ("call", BugClass.SCALE), GpuRule.UNKNOWN_SCALES: ("call", BugClass.SCALE),
+    GpuRule.A_UNALIGNED: ("a", BugClass.LAYOUT), GpuRule.B_UNALIGNED: ("b", BugClass.LAYOUT),
+    GpuRule.A_NOT_ROW_MAJOR: ("a", BugClass.LAYOUT), GpuRule.A_ROW_STRIDE: ("a", BugClass.LAYOUT),
+    GpuRule.B_NOT_COLUMN_MAJOR: ("b", BugClass.LAYOUT), GpuRule.B_COLUMN_STRIDE: ("b", BugClass.LAYOUT),
+    GpuRule.BIAS_WITH_FLOAT32_OUT: ("call", BugClass.CONTRACT), GpuRule.NO_OUT_DTYPE: ("call", BugClass.CONTRACT),
+}
+ON_H100 = "would fail on H100: "
+
+
+@dataclass(frozen=True)
+class GpuProblem:
+    """A rule a recorded call breaks, and the rule's sentence about this call (its values)."""
+
+    rule: GpuRule
+    detail: str
+
+    @property
+    def role(self) -> str:
+        """The operand it is about: "a", "b" or "call"."""
+        return RULES[self.rule][0]
+
+    @property
+    def category(self) -> BugClass:
+        return RULES[self.rule][1]
+
+    @property
+    def message(self) -> str:
+        return self.detail if self.rule is GpuRule.NO_OUT_DTYPE else ON_H100 + self.detail
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class CallProblem:
+    """A GpuProblem of one recorded call, as a result row lists it (`scaled_mm`)."""
+
+    gemms: tuple  # the call's candidate GEMMs (ScaledMMCall.gemms)
+    problem: GpuProblem
+
+    def __str__(self) -> str:
+        return f"{_gemm_label(self.gemms)} GEMM: {self.problem.message}"
+
+
+def _rowwise_scale_problems(call: ScaledMMCall, M: int, N: int) -> list[GpuProblem]:
+    (sa_shape, _), (sb_shape, _) = call.scale_a, call.scale_b
+    sa_stride, sb_stride = call.scale_strides or ((), ())
+    if tuple(sa_shape) != (M, 1) or tuple(sb_shape) != (1, N):
+        return [GpuProblem(GpuRule.ROWWISE_SCALE_SHAPES, f"rowwise scales must be [{M}, 1] and [1, {N}], got "
+                                                          f"{list(sa_shape)} and {list(sb_shape)}")]
+    if sa_stride and not (_strided_as(sa_shape, sa_stride, (1, 1)) and _strided_as(sb_shape, sb_stride, (N, 1))):
+        return [GpuProblem(GpuRule.ROWWISE_SCALE_STRIDES, f"rowwise scales must be contiguous, got strides "
+                                                           f"{sa_stride} and {sb_stride}")]
+    return []
+
+
+def _block_scale_problems(call: ScaledMMCall, M: int, K: int, N: int) -> list[GpuProblem]:
+    (sa_shape, _), (sb_shape, _) = call.scale_a, call.scale_b
+    sa_stride, sb_stride = call.scale_strides or ((), ())
+    problems = []
+    if "float8_e5m2" in (call.a_dtype, call.b_dtype):
+        problems.append(GpuProblem(GpuRule.BLOCKS_E4M3_ONLY, f"block scaling takes e4m3 operands only, got "
+                                                             f"{call.a_dtype} x {call.b_dtype}"))
+    k_blocks = -(-K // BLOCK)
+    if tuple(sa_shape) != (M, k_blocks):
+        problems.append(GpuProblem(GpuRule.A_BLOCK_SCALE_SHAPE, f"1x128 scales of A [{M}x{K}] must be [{M}, "
+                                                                f"{k_blocks}], got {list(sa_shape)}"))
+    elif sa_stride and not _strided_as(sa_shape, sa_stride, (1, M)):
+        problems.append(GpuProblem(GpuRule.A_BLOCK_SCALE_STRIDES, f"1x128 scales of A must be stored M-major "
+                                   f"(strides (1, {M})), got {sa_stride}; pass scale.t().contiguous().t()"))
+    if call.scaling[1] == "BlockWise128x128":
+        padded, n_blocks = -(-k_blocks // 4) * 4, -(-N // BLOCK)
+        if tuple(sb_shape) != (padded, n_blocks):
+            problems.append(GpuProblem(GpuRule.B_BLOCK_SCALE_SHAPE, f"128x128 scales of B [{K}x{N}] must be "
+                                       f"[{padded}, {n_blocks}] (K/128 padded to a multiple of 4), got "
+                                       f"{list(sb_shape)}"))
+        elif sb_stride and not _strided_as(sb_shape, sb_stride, (1, padded)):
+            problems.append(GpuProblem(GpuRule.B_BLOCK_SCALE_STRIDES, f"128x128 scales of B must be stored K-major "
+                                                                      f"(strides (1, {padded})), got {sb_stride}"))
+        if call.use_fast_accum:
+            problems.append(GpuProblem(GpuRule.BLOCKS_FAST_ACCUM, "fast accumulation is not supported with 128x128 "
+                                                                  "block scales"))
+    elif tuple(sb_shape) != (N, k_blocks):
+        problems.append(GpuProblem(GpuRule.B_BLOCK_SCALE_SHAPE, f"1x128 scales of B [{K}x{N}] must be [{N}, "
+                                                                f"{k_blocks}], got {list(sb_shape)}"))
+    elif sb_stride and not _strided_as(sb_shape, sb_stride, (1, N)):
+        problems.append(GpuProblem(GpuRule.B_BLOCK_SCALE_STRIDES, f"1x128 scales of B must be stored N-major "
+                                                                  f"(strides (1, {N})), got {sb_stride}"))
+    return problems
+
+
+def _scale_problems(call: ScaledMMCall, M: int, K: int, N: int) -> list[GpuProblem]:
     """The scale rules of the call's scaling kinds (see the module docstring)."""
-    fail = "would fail on H100: "
     (sa_shape, sa_dtype), (sb_shape, sb_dtype) = call.scale_a, call.scale_b
-    (sa_stride, sb_stride), kinds = call.scale_strides or ((), ()), call.scaling or ("?", "?")
+    kinds = call.scaling or ("?", "?")
     if sa_dtype != "float32" or sb_dtype != "float32":
-        return [f"{fail}scales must be float32, got scale_a {sa_dtype} and scale_b {sb_dtype}"]
+        return [GpuProblem(GpuRule.SCALES_NOT_FLOAT32, f"scales must be float32, got scale_a {sa_dtype} and "
+                                                       f"scale_b {sb_dtype}")]
     if kinds == ("TensorWise", "TensorWise"):
         return []
     if kinds == ("RowWise", "RowWise"):
-        problems = []
-        if tuple(sa_shape) != (M, 1) or tuple(sb_shape) != (1, N):
-            problems.append(f"{fail}rowwise scales must be [{M}, 1] and [1, {N}], got {list(sa_shape)} and "
-                            f"{list(sb_shape)}")
-        elif sa_stride and not (_strided_as(sa_shape, sa_stride, (1, 1)) and _strided_as(sb_shape, sb_stride, (N, 1))):
-            problems.append(f"{fail}rowwise scales must be contiguous, got strides {sa_stride} and {sb_stride}")
-        return problems
-    blocks = ("BlockWise1x128", "BlockWise128x128")
-    if kinds[0] == "BlockWise1x128" and kinds[1] in blocks:
-        problems = []
-        if "float8_e5m2" in (call.a_dtype, call.b_dtype):
-            problems.append(f"{fail}block scaling takes e4m3 operands only, got {call.a_dtype} x {call.b_dtype}")
-        k_blocks = -(-K // 128)
-        if tuple(sa_shape) != (M, k_blocks):
-            problems.append(f"{fail}1x128 scales of A [{M}x{K}] must be [{M}, {k_blocks}], got {list(sa_shape)}")
-        elif sa_stride and not _strided_as(sa_shape, sa_stride, (1, M)):
-            problems.append(f"{fail}1x128 scales of A must be stored M-major (strides (1, {M})), got {sa_stride}; "
-                            f"pass scale.t().contiguous().t()")
-        if kinds[1] == "BlockWise128x128":
-            padded = -(-k_blocks // 4) * 4
-            if tuple(sb_shape) != (padded, -(-N // 128)):
-                problems.append(f"{fail}128x128 scales of B [{K}x{N}] must be [{padded}, {-(-N // 128)}] (K/128 padded "
-                                f"to a multiple of 4), got {list(sb_shape)}")
-            elif sb_stride and not _strided_as(sb_shape, sb_stride, (1, padded)):
-                problems.append(f"{fail}128x128 scales of B must be stored K-major (strides (1, {padded})), got "
-                                f"{sb_stride}")
-            if call.use_fast_accum:
-                problems.append(f"{fail}fast accumulation is not supported with 128x128 block scales")
-        elif tuple(sb_shape) != (N, k_blocks):
-            problems.append(f"{fail}1x128 scales of B [{K}x{N}] must be [{N}, {k_blocks}], got {list(sb_shape)}")
-        elif sb_stride and not _strided_as(sb_shape, sb_stride, (1, N)):
-            problems.append(f"{fail}1x128 scales of B must be stored N-major (strides (1, {N})), got {sb_stride}")
-        return problems
-    return [f"{fail}scale shapes {list(sa_shape)} and {list(sb_shape)} ({kinds[0]}/{kinds[1]}) are none of "
-            f"tensorwise (1 element each), rowwise ([{M}, 1] and [1, {N}]) or 1x128/128x128 blocks"]
+        return _rowwise_scale_problems(call, M, N)
+    if kinds[0] == "BlockWise1x128" and kinds[1] in ("BlockWise1x128", "BlockWise128x128"):
+        return _block_scale_problems(call, M, K, N)
+    return [GpuProblem(GpuRule.UNKNOWN_SCALES, f"scale shapes {list(sa_shape)} and {list(sb_shape)} ({kinds[0]}/"
+                                               f"{kinds[1]}) are none of tensorwise (1 element each), rowwise "
+                                               f"([{M}, 1] and [1, {N}]) or 1x128/128x128 blocks")]
 
 
-def sm90_violations(call: ScaledMMCall) -> list[str]:
-    """What goes wrong with this call on an H100/H200 ("would fail on H100: ..."); empty if
-    nothing. Each rule was seen raising on an H200 (torch 2.11, `python .ci/probe_scaled_mm.py`)."""
-    return _sm90_messages(call)
+def _layout_problems(call: ScaledMMCall, M: int, K: int, Kb: int, N: int) -> list[GpuProblem]:
+    problems = []
+    if not (call.a_stride[1] == 1 and call.a_stride[0] >= max(1, K)):
+        problems.append(GpuProblem(GpuRule.A_NOT_ROW_MAJOR, f"A [{M}x{K}] has strides {call.a_stride}: SM90 cuBLASLt "
+                                                            f"needs A row-major (stride(1) == 1); pass a.contiguous()"))
+    elif call.a_stride[0] % 16:
+        problems.append(GpuProblem(GpuRule.A_ROW_STRIDE, f"A's row stride {call.a_stride[0]} is not a multiple of 16 "
+                                                         f"bytes (cuBLASLt: CUBLAS_STATUS_NOT_SUPPORTED); pass "
+                                                         f"a.contiguous()"))
+    if not (call.b_stride[0] == 1 and call.b_stride[1] >= max(1, Kb)):
+        problems.append(GpuProblem(GpuRule.B_NOT_COLUMN_MAJOR, f"B [{Kb}x{N}] has strides {call.b_stride}: SM90 "
+                                                               f"cuBLASLt needs B column-major (stride(0) == 1); pass "
+                                                               f"b.t().contiguous().t()"))
+    elif call.b_stride[1] % 16:
+        problems.append(GpuProblem(GpuRule.B_COLUMN_STRIDE, f"B's column stride {call.b_stride[1]} is not a multiple "
+                                                            f"of 16 bytes (cuBLASLt: CUBLAS_STATUS_NOT_SUPPORTED); "
+                                                            f"pass b.t().contiguous().t()"))
+    return problems
 
 
-# What each SM90 rule is about: (a fragment of its message, the operand: a | b | call, the bug class)
-_RULE_KINDS = (
-    ("takes 2-D operands", "a", "crash"), ("cannot be multiplied", "call", "crash"),
-    ("is not divisible by 16", "call", "crash"), ("both operands are float8_e5m2", "call", "fp8_dtype"),
-    ("block scaling takes e4m3", "call", "fp8_dtype"), ("fast accumulation is not supported", "call", "accumulation"),
-    ("scales of A", "a", "scale"), ("scales of B", "b", "scale"), ("rowwise scales", "call", "scale"),
-    ("scales must be float32", "call", "scale"), ("are none of tensorwise", "call", "scale"),
-    ("A's data pointer", "a", "layout"), ("B's data pointer", "b", "layout"), ("A [", "a", "layout"),
-    ("A's row stride", "a", "layout"), ("B [", "b", "layout"), ("B's column stride", "b", "layout"),
-    ("a bias with out_dtype", "call", "contract"), ("no out_dtype", "call", "contract"),
-)
-
-
-def sm90_problems(call: ScaledMMCall) -> list[tuple[str, str, str]]:
-    """sm90_violations with what each rule is about: (operand "a" | "b" | "call", bug class, message)."""
-    out = []
-    for message in _sm90_messages(call):
-        text = message.removeprefix("would fail on H100: ")
-        role, category = next(((r, c) for fragment, r, c in _RULE_KINDS if fragment in text), ("call", "layout"))
-        out.append((role, category, message))
-    return out
-
-
-def _sm90_messages(call: ScaledMMCall) -> list[str]:
-    fail = "would fail on H100: "
+def sm90_problems(call: ScaledMMCall) -> list[GpuProblem]:
+    """What goes wrong with this call on an H100/H200; empty if nothing. Each rule was seen raising
+    on an H200 (torch 2.11, `python .ci/probe_scaled_mm.py`)."""
     if len(call.a_shape) != 2 or len(call.b_shape) != 2:
-        return [f"{fail}_scaled_mm takes 2-D operands, got A {call.a_shape} and B {call.b_shape}"]
+        return [GpuProblem(GpuRule.NOT_2D, f"_scaled_mm takes 2-D operands, got A {call.a_shape} and B "
+                                           f"{call.b_shape}")]
     problems = []
     (M, K), (Kb, N) = call.a_shape, call.b_shape
     if K != Kb:
-        problems.append(f"{fail}A [{M}x{K}] and B [{Kb}x{N}] cannot be multiplied")
-    if not (call.a_stride[1] == 1 and call.a_stride[0] >= max(1, K)):
-        problems.append(f"{fail}A [{M}x{K}] has strides {call.a_stride}: SM90 cuBLASLt needs A row-major "
-                        f"(stride(1) == 1); pass a.contiguous()")
-    elif call.a_stride[0] % 16:
-        problems.append(f"{fail}A's row stride {call.a_stride[0]} is not a multiple of 16 bytes (cuBLASLt: "
-                        f"CUBLAS_STATUS_NOT_SUPPORTED); pass a.contiguous()")
-    if not (call.b_stride[0] == 1 and call.b_stride[1] >= max(1, Kb)):
-        problems.append(f"{fail}B [{Kb}x{N}] has strides {call.b_stride}: SM90 cuBLASLt needs B column-major "
-                        f"(stride(0) == 1); pass b.t().contiguous().t()")
-    elif call.b_stride[1] % 16:
-        problems.append(f"{fail}B's column stride {call.b_stride[1]} is not a multiple of 16 bytes (cuBLASLt: "
-                        f"CUBLAS_STATUS_NOT_SUPPORTED); pass b.t().contiguous().t()")
+        problems.append(GpuProblem(GpuRule.SHAPES_MISMATCH, f"A [{M}x{K}] and B [{Kb}x{N}] cannot be multiplied"))
+    problems += _layout_problems(call, M, K, Kb, N)
     for name, value in (("K (A.size(1))", K), ("B.size(0)", Kb), ("N (B.size(1))", N)):
         if value % 16:
-            problems.append(f"{fail}{name} = {value} is not divisible by 16")
+            problems.append(GpuProblem(GpuRule.NOT_DIVISIBLE_BY_16, f"{name} = {value} is not divisible by 16"))
     if call.a_dtype == call.b_dtype == "float8_e5m2":
-        problems.append(f"{fail}both operands are float8_e5m2: cuBLASLt multiplies e5m2 only with e4m3")
-    problems += _scale_violations(call, M, K, N)
-    for name, align in (("A", call.a_align), ("B", call.b_align)):
+        problems.append(GpuProblem(GpuRule.BOTH_E5M2, "both operands are float8_e5m2: cuBLASLt multiplies e5m2 only "
+                                                      "with e4m3"))
+    problems += _scale_problems(call, M, K, N)
+    for rule, name, align in ((GpuRule.A_UNALIGNED, "A", call.a_align), (GpuRule.B_UNALIGNED, "B", call.b_align)):
         if align:
-            problems.append(f"{fail}{name}'s data pointer is not 16-byte aligned (offset {align} bytes; cuBLASLt: "
-                            f"CUBLAS_STATUS_NOT_SUPPORTED)")
+            problems.append(GpuProblem(rule, f"{name}'s data pointer is not 16-byte aligned (offset {align} bytes; "
+                                             f"cuBLASLt: CUBLAS_STATUS_NOT_SUPPORTED)"))
     if call.bias_dtype is not None and call.out_dtype == "float32":
-        problems.append(f"{fail}a bias with out_dtype=float32 is not supported")
+        problems.append(GpuProblem(GpuRule.BIAS_WITH_FLOAT32_OUT, "a bias with out_dtype=float32 is not supported"))
     if call.out_dtype is None:
-        problems.append(f"no out_dtype: the result is written in {call.a_dtype}, on any device (pass "
-                        f"out_dtype=torch.bfloat16 or the input's dtype)")
+        problems.append(GpuProblem(GpuRule.NO_OUT_DTYPE, f"no out_dtype: the result is written in {call.a_dtype}, on "
+                                                         f"any device (pass out_dtype=torch.bfloat16 or the input's "
+                                                         f"dtype)"))
     return problems
+
+
+def sm90_violations(call: ScaledMMCall) -> list[str]:
+    """sm90_problems as sentences ("would fail on H100: ...")."""
+    return [problem.message for problem in sm90_problems(call)]
 
 
 # ---- nn.Linear's contract -------------------------------------------------------------------
@@ -365,19 +481,76 @@ def expected_contract(case: Case, *, compute_dtype: torch.dtype | None = None) -
     return contract
 
 
-def contract_violations(tensor: torch.Tensor | TensorContract | None, expected: TensorContract,
-                        name: str) -> list[str]:
+class Breach(Word):
+    """A way to break nn.Linear's contract: what the caller gets back, or what the call does beside it."""
+
+    MISSING = "missing"  # a tensor (a gradient) not returned
+    DTYPE = "dtype"
+    SHAPE = "shape"
+    STRIDES = "strides"
+    MODIFIED_IN_PLACE = "modified_in_place"  # an operand the caller owns, written by the call
+    SHARES_MEMORY = "shares_memory"  # the output a view of the input
+    GLOBAL_STATE = "global_state"  # torch's global state changed (and restored by the harness)
+    PRINTS = "prints"  # megabytes printed during one case
+
+
+@dataclass(frozen=True)
+class ContractProblem:
+    """One way a result or a call breaks nn.Linear's contract. `subject` is the tensor (output,
+    grad_input, ...) or the operand (input, weight, grad_output) it concerns; `got` and `want` what it
+    is and what nn.Linear gives; `detail` what else its sentence says."""
+
+    breach: Breach
+    subject: str = ""
+    step: int | None = None
+    got: object = None
+    want: object = None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return _CONTRACT_SENTENCES[self.breach](self)
+
+
+def _in_place(p: ContractProblem) -> str:
+    if p.subject == "input":
+        return f"step {p.step}: the input was modified in place"
+    if p.subject == "weight":
+        return f"step {p.step}: the weight was modified in place by forward/backward{p.detail}"
+    return f"step {p.step}: {p.subject} was modified in place by backward"
+
+
+_CONTRACT_SENTENCES = {
+    Breach.MISSING: lambda p: f"{p.subject} is None (nn.Linear gives a {p.want[0]} tensor of shape {list(p.want[1])})",
+    Breach.DTYPE: lambda p: f"{p.subject} dtype is {p.got}, nn.Linear gives {p.want}",
+    Breach.SHAPE: lambda p: f"{p.subject} shape is {list(p.got)}, nn.Linear gives {list(p.want)}",
+    Breach.STRIDES: lambda p: f"{p.subject} strides are {p.got}, nn.Linear gives {p.want}",
+    Breach.MODIFIED_IN_PLACE: _in_place,
+    Breach.SHARES_MEMORY: lambda p: f"step {p.step}: the output shares memory with the input (a view of it)",
+    Breach.GLOBAL_STATE: lambda p: f"the implementation changed global state: {p.detail} (restored)",
+    Breach.PRINTS: lambda p: (f"the implementation printed {p.got / 2**20:.1f} MiB during the case (nn.Linear prints "
+                              f"nothing; more than {p.want // 1024} KiB floods a training log)"),
+}
+
+
+def contract_problems(tensor: torch.Tensor | TensorContract | None, expected: TensorContract,
+                      name: str) -> list[ContractProblem]:
     """How `tensor` (or its recorded dtype/shape/strides) differs from what nn.Linear gives."""
     if isinstance(tensor, torch.Tensor):
         tensor = TensorContract(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     if tensor is None:
-        return [f"{name} is None (nn.Linear gives a {_dtype_name(expected.dtype)} tensor of shape "
-                f"{list(expected.shape)})"]
+        return [ContractProblem(Breach.MISSING, name, want=(_dtype_name(expected.dtype), tuple(expected.shape)))]
     problems = []
     if tensor.dtype != expected.dtype:
-        problems.append(f"{name} dtype is {_dtype_name(tensor.dtype)}, nn.Linear gives {_dtype_name(expected.dtype)}")
+        problems.append(ContractProblem(Breach.DTYPE, name, got=_dtype_name(tensor.dtype),
+                                        want=_dtype_name(expected.dtype)))
     if tuple(tensor.shape) != expected.shape:
-        problems.append(f"{name} shape is {list(tensor.shape)}, nn.Linear gives {list(expected.shape)}")
+        problems.append(ContractProblem(Breach.SHAPE, name, got=tuple(tensor.shape), want=tuple(expected.shape)))
     elif tensor.stride != expected.stride and math.prod(tensor.shape) > 1:
-        problems.append(f"{name} strides are {tensor.stride}, nn.Linear gives {expected.stride}")
+        problems.append(ContractProblem(Breach.STRIDES, name, got=tensor.stride, want=expected.stride))
     return problems
+
+
+def contract_violations(tensor: torch.Tensor | TensorContract | None, expected: TensorContract,
+                        name: str) -> list[str]:
+    """contract_problems as sentences."""
+    return [str(problem) for problem in contract_problems(tensor, expected, name)]

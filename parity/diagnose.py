@@ -1,5 +1,8 @@
 """Diagnosis along the data path: what each GEMM was handed, against what its recipe's oracle hands it.
 
+The recorded calls' part lives in parity.call_diagnosis (its names are importable from here); this
+module holds the result stage and the diagnosis by behaviour.
+
 For every FP8 GEMM of a recipe the exact oracle (parity.oracles) knows the operands the GEMM
 must receive: the fp8 values of A and B and their inverse scales. A recorded _scaled_mm call
 (parity.contract, with its tensors kept) is compared with that, stage by stage, per operand:
@@ -33,22 +36,24 @@ an operand rounded to a lower precision before its fp8 cast).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from parity import oracles
 from parity.cases import Case
-from parity.contract import ScaledMMCall
+from parity.call_diagnosis import (OperandExplanation, StageFinding, _same, assign_calls,  # noqa: F401 - re-exported
+                                   call_findings, compare_call, explain_operand, resolve_calls, stage_finding)
 from parity.data import StepData
+from parity.findings import Finding
 from parity.metrics import compare, sqnr_db
 from parity.oracles import Quantized
-from parity.mistakes import (NARROWER, Explanation, Hypothesis, OperandSources, ResultMistake,
-                             high_precision_hypotheses, operand_hypotheses, quantize_mistaken, result_mistakes,
-                             rounded_before_cast, scaled_over, strides_ignored)
-from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe, Scaling
-from parity.vocabulary import BugClass
+from parity.mistakes import (NARROWER, Hypothesis, OperandSources, high_precision_hypotheses, operand_hypotheses,
+                             quantize_mistaken, result_mistakes, rounded_before_cast, scaled_over, Explanation,
+                             ResultMistake)
+from parity.recipes import Cast, Recipe, Scaling
+from parity.vocabulary import BugClass, Kind, Operand, Stage, Tensor
 
 MATCH_DB = 45.0  # a hypothesis "matches" results above this SQNR: quantization-level bugs sit near 25-30 dB
 MARGIN_DB = 10.0  # ... and only when it is this much closer than the correct emulation (ties: the correct one)
@@ -58,232 +63,6 @@ MARGIN_DB = 10.0  # ... and only when it is this much closer than the correct em
 # exact result (a median near 29 dB), except where a mistake does not change that data's numbers; a
 # mistake outside the space that leaves more than 40 dB would be misread as accumulation.
 ACCUMULATION_DB = 40.0
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One difference between what a GEMM got and what its recipe's oracle gives it."""
-
-    step: int
-    gemm: str  # output | grad_input | grad_weight
-    operand: str  # input | weight | grad_output | result | call
-    stage: str  # calls | fp8_dtype | scale | bytes | fast_accum | precision | result
-    message: str
-    category: str = ""  # the bug class this stage's explanation names ("" when unexplained)
-
-    def __str__(self) -> str:
-        return f"{self.gemm} GEMM (step {self.step}): {self.message}"
-
-
-# ---- one operand of one recorded call ------------------------------------------------------------
-
-def _expanded(scale: torch.Tensor, rows: int, inner: int) -> torch.Tensor:
-    """Scales [rows / r, inner / i] repeated to one per element [rows, inner]."""
-    return scale.repeat_interleave(rows // scale.shape[0], 0).repeat_interleave(inner // scale.shape[1], 1)
-
-
-def _call_scales(kind: str, scale: torch.Tensor, role: str, rows: int, inner: int) -> torch.Tensor | None:
-    """The inverse scale of each element of an operand laid out [rows, inner] (A, or B.T), from a
-    recorded call's scale tensor of scaling `kind`; None when the layout is not understood."""
-    s = scale.detach().to(torch.float64).cpu()
-    try:
-        if kind == "TensorWise" or s.numel() == 1:
-            return s.reshape(1, 1).expand(rows, inner)
-        if kind == "RowWise":  # A: [rows, 1]; B: [1, cols]
-            return (s.reshape(rows, 1) if role == "a" else s.reshape(1, rows).t()).expand(rows, inner)
-        blocks = -(-inner // BLOCK)
-        if kind == "BlockWise1x128":  # A: [rows, K/128]; B: [cols, K/128] (cuBLASLt's layout)
-            return _expanded(s[:, :blocks], rows, blocks * BLOCK)[:, :inner]
-        if kind == "BlockWise128x128" and role == "b":  # [K/128 padded to 4, cols/128]
-            return _expanded(s[:blocks].t(), -(-rows // BLOCK) * BLOCK, blocks * BLOCK)[:rows, :inner]
-    except RuntimeError:  # a shape the kind does not allow: the contract rules report it
-        return None
-    return None
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple, float, float]:
-    differ = ~((got == want) | (got.isnan() & want.isnan()))
-    count = int(differ.sum())
-    if not count:
-        return 0, (), 0.0, 0.0
-    index = tuple(int(i) for i in differ.nonzero()[0])
-    return count, index, float(got[index]), float(want[index])
-
-
-def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cast, recipe: Recipe,
-                    sources: OperandSources, gemm: str, role: str) -> tuple[str, str, str] | None:
-    """(stage, category, message) for an operand a GEMM got (fp8 values and per-element inverse
-    scales, laid out [rows, inner]) that is not the recipe's, or None when it is."""
-    rows, inner = values.shape
-    correct = quantize_mistaken(sources.view(gemm, role, "same"), cast, recipe)
-    want_scales = _expanded(correct.inv_scale.cpu(), rows, inner)
-    values_ok = _same(values, correct.values.cpu())
-    scales_ok = scales is not None and _same(scales, want_scales)
-    if values_ok and (scales_ok or scales is None):  # no scales to compare: the values decide
-        return None
-    values_only = None  # the first mistake whose fp8 values these are, with the recipe's scales handed over
-    for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
-        if hypothesis.keeps_high_precision:  # these values are fp8
-            continue
-        q = sources.quantized(hypothesis, gemm, role, cast, recipe, (rows, inner))
-        # the values came in the recipe's format (compare_call checks it first): a mistake that ends in
-        # another format is not theirs, even where its values coincide with theirs
-        if q is None or q.fp8_dtype != cast.dtype or not _same(values, q.values.cpu()):
-            continue
-        if scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows, inner)):
-            stage = "scale" if hypothesis.category == "scale" or hypothesis.amax_source != "same" else "bytes"
-            return stage, hypothesis.category, hypothesis.description
-        values_only = values_only or hypothesis
-    if scales is None:
-        return "scale", "scale", "its scale tensor cannot be read as the recipe's scales (see the contract rules)"
-    if scales_ok and values_only is not None:
-        return "bytes", values_only.category, (f"its fp8 values are those of {values_only.description}, while the "
-                                               f"GEMM is handed the recipe's scales")
-    if not scales_ok:
-        count, index, got, want = _first_difference(scales, want_scales)
-        return "scale", "", (f"its inverse scale differs from the oracle's for {count} of {scales.numel()} elements "
-                             f"(first at {list(index)}: {got:.6g}, oracle {want:.6g}, ratio "
-                             f"{got / want if want else float('nan'):.6g}); no single mistake reproduces it")
-    count, index, got, want = _first_difference(values, correct.values.cpu())
-    return "bytes", "", (f"its scales are the recipe's but its fp8 values differ in {count} of {values.numel()} "
-                         f"elements (first at {list(index)}: {got:g}, oracle {want:g}); no single mistake "
-                         f"reproduces them")
-
-
-def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: OperandSources) -> list[Finding]:
-    """How a recorded call for the GEMM `spec` differs from the recipe's, stage by stage."""
-    out: list[Finding] = []
-    data = call.data
-    if data is None:
-        return out
-    # torchao's form of an axis-scaled GEMM without fast accumulation: unit scales in the call,
-    # the row and column scales multiplied into the result afterwards (checked by the results). Either
-    # flag admits it: a GEMM that asks for no fast accumulation where the recipe wants it takes this
-    # form too, and so does one the recipe runs in this form that asks for fast accumulation; each
-    # then differs in that flag alone (which a CPU ignores: "only on the GPU")
-    unit_scales = (data.scale_a.numel() == 1 and data.scale_b.numel() == 1
-                   and float(data.scale_a.reshape(())) == 1.0 and float(data.scale_b.reshape(())) == 1.0)
-    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and unit_scales
-                 and not (call.use_fast_accum and spec.fast_accum))
-    operands_differ = scales_elsewhere = False
-    b_as_rows = data.b.t() if data.b.dim() == 2 else data.b
-    swapped = _computes_the_transpose(call, b_as_rows, spec, recipe, sources)
-    for role, operand, tensor, cast in () if swapped else (("a", spec.operands[0], data.a, spec.a),
-                                                           ("b", spec.operands[1], b_as_rows, spec.b)):
-        side = "A" if role == "a" else "B"
-        want_dtype = FP8_DTYPES[cast.fp8]
-        if tensor.dtype != want_dtype:
-            name = str(tensor.dtype).replace("torch.", "")
-            category = "fp8_dtype" if tensor.dtype in FP8_DTYPES.values() else "precision"
-            out.append(Finding(call.step, spec.name, operand, "fp8_dtype", f"{side} ({operand}) is {name}; the "
-                               f"{recipe.name} recipe casts it to {cast.fp8}", category))
-            continue
-        want_shape = tuple(sources.view(spec.name, role, "same").shape)
-        if tuple(tensor.shape) != want_shape:
-            out.append(Finding(call.step, spec.name, operand, "bytes", f"{side} ({operand}) has shape "
-                               f"{list(tensor.shape)} where the {recipe.name} oracle's operand is "
-                               f"{list(want_shape)}", "transpose" if tensor.dim() == 2 else "crash"))
-            continue
-        rows, inner = tensor.shape
-        kind = call.scaling[0 if role == "a" else 1] if call.scaling else "?"
-        scales = None if unit_form else _call_scales(kind, data.scale_a if role == "a" else data.scale_b, role,
-                                                     rows, inner)
-        values = tensor.detach().to(torch.float64).cpu()
-        found = explain_operand(values, scales, cast, recipe, sources, spec.name, role)
-        if found is not None and unit_scales and not unit_form and \
-                explain_operand(values, None, cast, recipe, sources, spec.name, role) is None:
-            scales_elsewhere = True  # the recipe's bytes with unit scales: the scales live outside the call
-            continue
-        if found is not None:
-            operands_differ = True
-            stage, category, message = found
-            out.append(Finding(call.step, spec.name, operand, stage, f"{side} ({operand}): {message}", category))
-    if scales_elsewhere and not operands_differ:  # the bytes are the recipe's, the call's scales are ones
-        out.append(Finding(call.step, spec.name, "result", "unit_scales",
-                           "the call's scales are all ones while its fp8 operands are the recipe's: the scales are "
-                           "applied to the result after the GEMM (a second rounding), or not at all"))
-    if call.use_fast_accum != spec.fast_accum:
-        out.append(Finding(call.step, spec.name, "result", "fast_accum",
-                           f"use_fast_accum={call.use_fast_accum} where the {recipe.name} recipe says "
-                           f"{spec.fast_accum}", "accumulation"))
-    return out
-
-
-def _computes_the_transpose(call: ScaledMMCall, b_as_rows: torch.Tensor, spec: Gemm, recipe: Recipe,
-                            sources: OperandSources) -> bool:
-    """Whether the call computes the GEMM's transpose, B^T A^T: its A holds exactly the oracle's B
-    and its B the oracle's A (fp8 values and scales, each as the recipe casts it). That is a
-    legitimate formulation, not an operand mistake; the result comes back transposed, and what
-    the implementation makes of that is judged on the result (its strides: the contract)."""
-    data = call.data
-    for call_role, tensor, scale, oracle_role, cast in (("a", data.a, data.scale_a, "b", spec.b),
-                                                        ("b", b_as_rows, data.scale_b, "a", spec.a)):
-        want = sources.view(spec.name, oracle_role, "same")
-        if tensor.dim() != 2 or tensor.dtype != FP8_DTYPES[cast.fp8] or want is None \
-                or tuple(tensor.shape) != tuple(want.shape):
-            return False
-        rows, inner = tensor.shape
-        kind = call.scaling[0 if call_role == "a" else 1] if call.scaling else "?"
-        scales = _call_scales(kind, scale, call_role, rows, inner)
-        correct = quantize_mistaken(want, cast, recipe)
-        if correct is None or scales is None or not _same(tensor.detach().to(torch.float64).cpu(),
-                                                          correct.values.cpu()) \
-                or not _same(scales, _expanded(correct.inv_scale.cpu(), rows, inner)):
-            return False
-    return True
-
-
-def assign_calls(calls: Sequence[ScaledMMCall], step: int, recipe: Recipe | None = None,
-                 sources: OperandSources | None = None) -> dict[str, list[ScaledMMCall]]:
-    """The calls of one step by GEMM. A call whose shapes fit two GEMMs (M, K, N not distinct) goes
-    to the one whose oracle it matches best (fewest differing stages; with no recipe: the first
-    without a call yet, in the order the backward runs them)."""
-    by_gemm: dict[str, list[ScaledMMCall]] = {g: [] for g in GEMMS}
-    for call in (c for c in calls if c.step == step):
-        options = [g for g in call.gemm.split("|") if g in by_gemm]
-        free = [g for g in options if not by_gemm[g]] or options
-        if len(free) > 1 and recipe is not None and sources is not None:
-            free = sorted(free, key=lambda g: 99 if recipe.gemm(g).high_precision else
-                          len(compare_call(call, recipe.gemm(g), recipe, sources)))
-        if free:
-            by_gemm[free[0]].append(call)
-    return by_gemm
-
-
-def resolve_calls(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], recipe: Recipe,
-                  case: Case) -> list[ScaledMMCall]:
-    """The calls, each naming the one GEMM assign_calls gives it (the recorder names every GEMM a call's
-    shapes fit: two where M, K, N are not distinct)."""
-    resolved = list(calls)
-    for step_index, step in enumerate(steps):
-        sources = OperandSources(step, steps[step_index - 1] if step_index else None, strides_ignored(step, case))
-        for gemm_name, recorded in assign_calls(calls, step_index, recipe, sources).items():
-            for call in recorded:
-                index = next(i for i, c in enumerate(calls) if c is call)
-                resolved[index] = replace(call, gemm=gemm_name)
-    return resolved
-
-
-def call_findings(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], recipe: Recipe,
-                  case: Case) -> list[Finding]:
-    """Every difference between the recorded calls and the recipe's, for every step of the case.
-    GEMMs without a recorded call are not compared here (see diagnose_behaviour)."""
-    findings: list[Finding] = []
-    for step_index, step in enumerate(steps):
-        sources = OperandSources(step, steps[step_index - 1] if step_index else None, strides_ignored(step, case))
-        for gemm_name, recorded in assign_calls(calls, step_index, recipe, sources).items():
-            spec = recipe.gemm(gemm_name)
-            if spec.high_precision and recorded:
-                findings.append(Finding(step_index, gemm_name, "call", "precision",
-                                        f"an FP8 _scaled_mm call runs a GEMM the {recipe.name} recipe computes in "
-                                        f"high precision", "precision"))
-            elif recorded:
-                findings += compare_call(recorded[0], spec, recipe, sources)
-    return findings
 
 
 # ---- what the implementation did with a GEMM's result ---------------------------------------------
@@ -343,14 +122,17 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
 
 # ---- by behaviour: the same hypotheses, end to end ------------------------------------------------
 
-@dataclass(frozen=True)
-class Match:
-    gemm: str
-    operand: str  # input | weight | grad_output | result
-    category: str
+@dataclass(frozen=True, kw_only=True)
+class Match(Finding):
+    """The hypothesis whose end-to-end emulation comes nearest a GEMM's results (its operand, class and
+    description), how near (`db`) and how near the correct emulation comes (`correct_db`)."""
+
+    kind: Kind = Kind.BEHAVIOUR
+    stage: Stage = Stage.BEHAVIOUR
     description: str
     db: float  # closeness of the hypothesis to the implementation's result
     correct_db: float  # closeness of the correct emulation
+    hypothesis: Hypothesis | None = None  # the mistake of the space it is (None: a result transform)
 
     @property
     def is_mistake(self) -> bool:
@@ -373,102 +155,156 @@ def _closeness(got: torch.Tensor, want: torch.Tensor) -> float:
     return sqnr_db(got[keep], want[keep]) if bool(keep.any()) else math.inf
 
 
+@dataclass(frozen=True)
+class _Score:
+    """How near one hypothesis's emulation comes to a GEMM's results."""
+
+    db: float
+    operand: str
+    category: str
+    description: str
+    hypothesis: Hypothesis | None = None
+
+
+@dataclass
+class _GemmScoring:
+    """One GEMM's results (`target`) against the emulation of every hypothesis: the scores so far."""
+
+    gemm: str
+    target: torch.Tensor
+    sources: OperandSources
+    case: Case
+    recipe: Recipe
+    bias: torch.Tensor | None
+    scores: list = None
+
+    def __post_init__(self):
+        self.spec = self.recipe.gemm(self.gemm)
+        self.scores = []
+        self.a_hp, self.b_hp = (self.sources.view(self.gemm, role, "same") for role in ("a", "b"))
+        self.qa, self.qb = (quantize_mistaken(hp, cast, self.recipe)
+                            for hp, cast in ((self.a_hp, self.spec.a), (self.b_hp, self.spec.b)))
+        self.correct_value = oracles.gemm(self.qa, self.qb)
+        self.correct_db = self.closeness(self.correct_value)
+
+    def closeness(self, value: torch.Tensor) -> float:
+        value = value.cpu()
+        if self.gemm == "output" and self.bias is not None:
+            value = value + self.bias.to(torch.float64).cpu()
+        want = oracles.rounded_like_result(value, self.case, self.gemm, self.recipe).reshape(self.target.shape)
+        return _closeness(self.target.cpu(), want)
+
+    def score(self, db: float, operand: str, category: str, description: str, hypothesis=None) -> None:
+        self.scores.append(_Score(db, operand, category, description, hypothesis))
+
+    def with_operand(self, role: str, q: Quantized) -> torch.Tensor:
+        """The GEMM with operand `role` quantized as `q`, the other as the recipe casts it."""
+        return oracles.gemm(q, self.qb) if role == "a" else oracles.gemm(self.qa, q)
+
+    def mistakes(self, role: str, operand: str, cast: Cast, hypotheses: Sequence[Hypothesis]) -> None:
+        """Each mistake on one operand, the other as the recipe casts it: how near the result it comes."""
+        shape = (self.a_hp if role == "a" else self.b_hp).shape
+        for hypothesis in hypotheses:
+            q = self.sources.quantized(hypothesis, self.gemm, role, cast, self.recipe, shape)
+            if q is not None:
+                self.score(self.closeness(self.with_operand(role, q)), operand, hypothesis.category,
+                           hypothesis.description, hypothesis)
+
+
+def _score_high_precision(s: _GemmScoring) -> None:
+    """A GEMM the recipe computes in high precision: its operands from an fp8 copy, taken from elsewhere
+    or rounded narrower first, the whole GEMM in a narrower dtype, or in a wider precision."""
+    spec, recipe = s.spec, s.recipe
+    for role, operand in (("a", spec.operands[0]), ("b", spec.operands[1])):
+        hp = s.a_hp if role == "a" else s.b_hp
+        rows, inner = hp.shape
+        for cast in {c for _, c in recipe.casts_of(operand) if c.fp8 is not None}:
+            for tile in {cast.scaling.tile(rows, inner), (1, inner), (rows, 1), (rows, inner)}:
+                q = quantize_mistaken(hp, cast, recipe, scaled_over(tile))
+                if q is None:
+                    continue
+                fp8_copy = Quantized(q.dequantized(), hp.new_ones((1, 1), dtype=torch.float64), (rows, inner), None)
+                s.score(s.closeness(s.with_operand(role, fp8_copy)), operand, "precision",
+                        f"{operand} taken from its {cast.fp8} copy where the recipe computes this GEMM in high "
+                        f"precision")
+    # its high-precision operands taken from elsewhere, or rounded to a narrower dtype first
+    not_cast = Cast(Scaling.NONE, None)
+    for role, operand in (("a", spec.operands[0]), ("b", spec.operands[1])):
+        s.mistakes(role, operand, not_cast, high_precision_hypotheses())
+    # the whole GEMM in a narrower dtype than the recipe's: both operands and the result rounded to it
+    chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(s.case, s.gemm, recipe))
+    # (operands already in that dtype stay as they are: the result's rounding alone then tells)
+    for name, dtype in NARROWER:
+        narrow = [quantize_mistaken(hp, not_cast, recipe, rounded_before_cast(dtype)) for hp in (s.a_hp, s.b_hp)]
+        value = oracles.gemm(narrow[0] or s.qa, narrow[1] or s.qb).to(dtype).to(torch.float64)
+        s.score(s.closeness(value), "result", "precision", f"computed in {name} (operands and result) where the "
+                                                            f"recipe's result is rounded to {chain} only")
+    # computed in a wider precision than the recipe's: nearer the exact product than its roundings allow
+    target = s.target
+    wider = _closeness(target.cpu(), s.correct_value.reshape(target.shape).to(target.dtype).cpu()) \
+        if s.bias is None or s.gemm != "output" else -math.inf
+    s.score(wider, "result", "precision", f"computed in {str(target.dtype).replace('torch.', '')} without the "
+                                          f"recipe's rounding to {chain}")
+
+
+def _score_fp8(s: _GemmScoring) -> None:
+    """An FP8 GEMM: each mistake of the space on either operand, and one shared by both (one cast routine)."""
+    spec, recipe = s.spec, s.recipe
+    for role, operand, cast in (("a", spec.operands[0], spec.a), ("b", spec.operands[1], spec.b)):
+        s.mistakes(role, operand, cast, operand_hypotheses(cast, recipe, *(s.a_hp if role == "a" else s.b_hp).shape))
+    of_b = {h.description: h for h in operand_hypotheses(spec.b, recipe, *s.b_hp.shape)}
+    for hypothesis in operand_hypotheses(spec.a, recipe, *s.a_hp.shape):
+        twin = of_b.get(hypothesis.description)
+        if twin is None or hypothesis.source != "same" or twin.source != "same" or hypothesis.transform is None:
+            continue
+        both = (quantize_mistaken(s.a_hp, spec.a, recipe, hypothesis),
+                quantize_mistaken(s.b_hp, spec.b, recipe, twin))
+        if None not in both:
+            s.score(s.closeness(oracles.gemm(*both)), spec.operands[0], hypothesis.category,
+                    f"{hypothesis.description}, in both operands", hypothesis)
+
+
+def _best_match(s: _GemmScoring, step_index: int) -> Match | None:
+    """The nearest hypothesis when it matches; else, for a result near the exact one, an accumulation-level
+    reading; else None."""
+    if not s.scores:
+        return None
+    best = max(s.scores, key=lambda score: score.db)  # the first of equals: the order of the space decides ties
+    match = Match(tensor=Tensor(s.gemm), step=step_index, operand=Operand(best.operand),
+                  category=BugClass(best.category), description=best.description, db=best.db,
+                  correct_db=s.correct_db, hypothesis=best.hypothesis)
+    if match.is_mistake:
+        return match
+    if s.correct_db >= ACCUMULATION_DB:  # the operands must be right: only the sums differ
+        return Match(tensor=Tensor(s.gemm), step=step_index, operand=Operand.RESULT, category=BugClass.ACCUMULATION,
+                     description=f"the exact result summed or rounded less precisely ({s.correct_db:.1f} dB from it, "
+                                 f"where operand mistakes leave < {ACCUMULATION_DB:.0f} dB)",
+                     db=s.correct_db, correct_db=s.correct_db)
+    return None
+
+
 def diagnose_behaviour(got: dict[str, torch.Tensor], step_index: int, steps: Sequence[StepData], case: Case,
                        recipe: Recipe, gemms: Sequence[str], *, bias: torch.Tensor | None = None,
                        strided: StepData | None = None) -> list[Match]:
     """For each GEMM in `gemms` (its result in `got`), the hypothesis (one operand's mistake, or a
     transform of the result) whose end-to-end emulation is closest to the implementation, when it
     matches (>= MATCH_DB and >= MARGIN_DB closer than the correct emulation)."""
-    step = steps[step_index]
-    sources = OperandSources(step, steps[step_index - 1] if step_index else None, strided)
+    sources = OperandSources(steps[step_index], steps[step_index - 1] if step_index else None, strided)
     out = []
     for gemm_name in gemms:
-        spec = recipe.gemm(gemm_name)
-        target = got[gemm_name]
-
-        def closeness(value: torch.Tensor, target=target, gemm_name=gemm_name) -> float:
-            value = value.cpu()
-            if gemm_name == "output" and bias is not None:
-                value = value + bias.to(torch.float64).cpu()
-            want = oracles.rounded_like_result(value, case, gemm_name, recipe).reshape(target.shape)
-            return _closeness(target.cpu(), want)
-        a_hp, b_hp = sources.view(gemm_name, "a", "same"), sources.view(gemm_name, "b", "same")
-        qa, qb = quantize_mistaken(a_hp, spec.a, recipe), quantize_mistaken(b_hp, spec.b, recipe)
-        correct_value = oracles.gemm(qa, qb)
-        correct_db = closeness(correct_value)
-        scored: list[tuple[float, str, str, str]] = []
-
-        def score_mistakes(role: str, operand: str, cast: Cast, hypotheses: Sequence[Hypothesis],
-                           gemm_name=gemm_name, a_hp=a_hp, b_hp=b_hp, qa=qa, qb=qb, scored=scored, closeness=closeness):
-            """Each mistake on one operand, the other as the recipe casts it: how near the result it comes."""
-            shape = (a_hp if role == "a" else b_hp).shape
-            for hypothesis in hypotheses:
-                q = sources.quantized(hypothesis, gemm_name, role, cast, recipe, shape)
-                if q is not None:
-                    value = oracles.gemm(q, qb) if role == "a" else oracles.gemm(qa, q)
-                    scored.append((closeness(value), operand, hypothesis.category, hypothesis.description))
-        if spec.high_precision:  # an operand taken from an fp8 copy where the recipe keeps it in high precision
-            for role, operand in (("a", spec.operands[0]), ("b", spec.operands[1])):
-                for cast in {c for _, c in recipe.casts_of(operand) if c.fp8 is not None}:
-                    hp = a_hp if role == "a" else b_hp
-                    rows, inner = hp.shape
-                    for tile in {cast.scaling.tile(rows, inner), (1, inner), (rows, 1), (rows, inner)}:
-                        q = quantize_mistaken(hp, cast, recipe, scaled_over(tile))
-                        if q is None:
-                            continue
-                        fp8_copy = Quantized(q.dequantized(), hp.new_ones((1, 1), dtype=torch.float64),
-                                             (rows, inner), None)
-                        value = oracles.gemm(fp8_copy, qb) if role == "a" else oracles.gemm(qa, fp8_copy)
-                        scored.append((closeness(value), operand, "precision",
-                                       f"{operand} taken from its {cast.fp8} copy where the recipe computes this "
-                                       f"GEMM in high precision"))
-            # its high-precision operands taken from elsewhere, or rounded to a narrower dtype first
-            not_cast = Cast(Scaling.NONE, None)
-            for role, operand in (("a", spec.operands[0]), ("b", spec.operands[1])):
-                score_mistakes(role, operand, not_cast, high_precision_hypotheses())
-            # the whole GEMM in a narrower dtype than the recipe's: both operands and the result rounded to it
-            chain = ", ".join(str(d).replace("torch.", "") for d in oracles.rounding_chain(case, gemm_name, recipe))
-            # (operands already in that dtype stay as they are: the result's rounding alone then tells)
-            for name, dtype in NARROWER:
-                narrow = [quantize_mistaken(hp, not_cast, recipe, rounded_before_cast(dtype)) for hp in (a_hp, b_hp)]
-                value = oracles.gemm(narrow[0] or qa, narrow[1] or qb).to(dtype).to(torch.float64)
-                scored.append((closeness(value), "result", "precision", f"computed in {name} (operands and "
-                               f"result) where the recipe's result is rounded to {chain} only"))
-            # computed in a wider precision than the recipe's: nearer the exact product than its roundings allow
-            wider = _closeness(target.cpu(), correct_value.reshape(target.shape).to(target.dtype).cpu()) \
-                if bias is None or gemm_name != "output" else -math.inf
-            scored.append((wider, "result", "precision", f"computed in {str(target.dtype).replace('torch.', '')} "
-                           f"without the recipe's rounding to {chain}"))
+        scoring = _GemmScoring(gemm_name, got[gemm_name], sources, case, recipe, bias)
+        if scoring.spec.high_precision:
+            _score_high_precision(scoring)
         else:
-            for role, operand, cast in (("a", spec.operands[0], spec.a), ("b", spec.operands[1], spec.b)):
-                score_mistakes(role, operand, cast, operand_hypotheses(cast, recipe, *(a_hp if role == "a"
-                                                                                      else b_hp).shape))
-            # one cast routine shared by both operands: the same mistake in both
-            of_b = {h.description: h for h in operand_hypotheses(spec.b, recipe, *b_hp.shape)}
-            for hypothesis in operand_hypotheses(spec.a, recipe, *a_hp.shape):
-                twin = of_b.get(hypothesis.description)
-                if twin is None or hypothesis.source != "same" or twin.source != "same" or hypothesis.transform is None:
-                    continue
-                both = (quantize_mistaken(a_hp, spec.a, recipe, hypothesis),
-                        quantize_mistaken(b_hp, spec.b, recipe, twin))
-                if None not in both:
-                    scored.append((closeness(oracles.gemm(*both)), spec.operands[0], hypothesis.category,
-                                   f"{hypothesis.description}, in both operands"))
-        explained = explain_result(target, correct_value, case, gemm_name, recipe,
+            _score_fp8(scoring)
+        explained = explain_result(scoring.target, scoring.correct_value, case, gemm_name, recipe,
                                    bias=bias if gemm_name == "output" else None,
                                    scales=gemm_inverse_scales(steps[step_index], gemm_name, recipe))
         if explained is not None:
-            scored.append((MATCH_DB, explained.operand, explained.category, explained.description))
-        if not scored:
-            continue
-        db, operand, category, description = max(scored, key=lambda s: s[0])
-        best = Match(gemm_name, operand, category, description, db, correct_db)
-        if best.is_mistake:
-            out.append(best)
-        elif correct_db >= ACCUMULATION_DB:  # the operands must be right: only the sums differ
-            out.append(Match(gemm_name, "result", "accumulation", f"the exact result summed or rounded less "
-                             f"precisely ({correct_db:.1f} dB from it, where operand mistakes leave < "
-                             f"{ACCUMULATION_DB:.0f} dB)", correct_db, correct_db))
+            scoring.score(MATCH_DB, explained.operand, explained.category, explained.description)
+        match = _best_match(scoring, step_index)
+        if match is not None:
+            out.append(match)
     return out
 
 
@@ -485,4 +321,5 @@ def high_precision_closeness(got: dict[str, torch.Tensor], step: StepData, case:
         hp = min(hp, compare(value.double().cpu(), plain[name].reshape(value.shape))["sqnr_db"])
         fp8 = min(fp8, compare(value.double().cpu(), getattr(exact, name).reshape(value.shape))["sqnr_db"])
     return hp, fp8
+
 

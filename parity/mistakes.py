@@ -30,7 +30,7 @@ from parity.recipes import BLOCK, FP8_FORMATS, GEMMS, Cast, Fp8Format, Recipe
 from parity.vocabulary import BugClass, Operand, Word
 
 
-class Stage(Word):
+class OperandStage(Word):
     """What a mistake changes: the operand's values before the cast, a stage of the cast
     (oracles.CastStages: the value is its field), or what the GEMM is handed after it."""
 
@@ -46,9 +46,10 @@ class Stage(Word):
     GRID = "grid"  # the grid of inverse scales as the GEMM reads it
 
 
-CAST_STAGES = (Stage.FP8_FORMAT, Stage.TILES, Stage.AMAX, Stage.SCALE, Stage.SCALED, Stage.SATURATION,
-               Stage.INVERSE)
-AFTER_THE_CAST = (Stage.BYTES, Stage.GRID)
+CAST_STAGES = (OperandStage.FP8_FORMAT, OperandStage.TILES, OperandStage.AMAX, OperandStage.SCALE,
+               OperandStage.SCALED, OperandStage.SATURATION,
+               OperandStage.INVERSE)
+AFTER_THE_CAST = (OperandStage.BYTES, OperandStage.GRID)
 
 
 class Source(Word):
@@ -74,26 +75,26 @@ class Hypothesis:
 
     description: str
     bug_class: BugClass
-    stage: Stage
+    stage: OperandStage
     transform: Callable | None = None  # with the stage's signature (oracles.CastStages; SOURCE: x -> x;
     # BYTES and GRID: Quantized -> Quantized); raises NotApplicable where the mistake cannot apply
     source: Source = Source.SAME  # where the operand's values come from
     amax_source: Source = Source.SAME  # where its amax comes from: its values', or the previous call's
-    also: tuple[tuple[Stage, Callable], ...] = ()  # further stages the same mistake changes
+    also: tuple[tuple[OperandStage, Callable], ...] = ()  # further stages the same mistake changes
 
     @property
     def category(self) -> BugClass:
         return self.bug_class
 
     @property
-    def changes(self) -> dict[Stage, Callable]:
+    def changes(self) -> dict[OperandStage, Callable]:
         """Every stage this mistake changes, with its transform."""
         return {**({} if self.transform is None else {self.stage: self.transform}), **dict(self.also)}
 
     @property
     def keeps_high_precision(self) -> bool:
         """The operand is not cast to fp8 at all (a recorded call shows that by its dtype)."""
-        return self.changes.get(Stage.FP8_FORMAT) is kept_in_high_precision
+        return self.changes.get(OperandStage.FP8_FORMAT) is kept_in_high_precision
 
 
 def quantize_mistaken(source: torch.Tensor, cast: Cast, recipe: Recipe,
@@ -105,8 +106,8 @@ def quantize_mistaken(source: torch.Tensor, cast: Cast, recipe: Recipe,
     stages = replace(oracles.CastStages(pow2=recipe.pow2_scales, via_reciprocal=recipe.reciprocal_scales),
                      **{stage.value: transform for stage, transform in changes.items() if stage in CAST_STAGES})
     try:
-        if Stage.SOURCE in changes:
-            source = changes[Stage.SOURCE](source)
+        if OperandStage.SOURCE in changes:
+            source = changes[OperandStage.SOURCE](source)
         try:
             q = stages.cast(source, cast)
         except RuntimeError:  # a tile that does not divide this operand
@@ -303,7 +304,8 @@ def _grid_padded_row_major(q: Quantized) -> Quantized:
 NARROWER = (("bfloat16", torch.bfloat16), ("float16", torch.float16))
 
 # Where an operand's values come from, whatever its cast: the same mistakes for fp8 and high-precision operands
-MOVED = {source: Hypothesis(description, category, Stage.SOURCE, source=source) for source, category, description in (
+MOVED = {source: Hypothesis(description, category, OperandStage.SOURCE, source=source) for source, category,
+         description in (
     (Source.TRANSPOSED, BugClass.TRANSPOSE, "the operand transposed (read the other way round)"),
     (Source.RESHAPED, BugClass.TRANSPOSE, "the operand reinterpreted with reshape instead of a transpose"),
     (Source.RESHAPED_FROM_TRANSPOSE, BugClass.TRANSPOSE,
@@ -314,7 +316,7 @@ MOVED = {source: Hypothesis(description, category, Stage.SOURCE, source=source) 
                                                  "(dims swapped before the reshape)"))}
 DELAYED_SCALING = Hypothesis("its scale from the previous call's amax, applied to this call's values (delayed "
                              "scaling: a scale computed in one call and kept for the next)", BugClass.STALE_STATE,
-                             Stage.AMAX, amax_source=Source.PREVIOUS)
+                             OperandStage.AMAX, amax_source=Source.PREVIOUS)
 
 # A rounding of the scale rather than a structural mistake: one ulp off torchao's scale in some groups.
 # parity.bisect, finding it, diagnoses again under a recipe that rounds its scales this way
@@ -324,19 +326,19 @@ RECIPROCAL_SCALES = ("its scale computed as fp8_max * (1 / amax) in float32 (a P
                      "tensor: two roundings, one ulp off the exact scale in about a quarter of the groups; compute "
                      "it in float64 and round once, as torchao does)")
 EXACT_SCALES = "its scale the exact quotient fp8_max / amax rounded once, where its other scales take two roundings"
-RECIPROCAL_SCALES_HYPOTHESIS = Hypothesis(RECIPROCAL_SCALES, BugClass.SCALE, Stage.SCALE, _reciprocal_flipped)
-EXACT_SCALES_HYPOTHESIS = Hypothesis(EXACT_SCALES, BugClass.SCALE, Stage.SCALE, _reciprocal_flipped)
+RECIPROCAL_SCALES_HYPOTHESIS = Hypothesis(RECIPROCAL_SCALES, BugClass.SCALE, OperandStage.SCALE, _reciprocal_flipped)
+EXACT_SCALES_HYPOTHESIS = Hypothesis(EXACT_SCALES, BugClass.SCALE, OperandStage.SCALE, _reciprocal_flipped)
 
 
 def rounded_before_cast(dtype: torch.dtype, description: str | None = None) -> Hypothesis:
     """The operand rounded to `dtype` before its cast (not applicable where it already is in it)."""
     return Hypothesis(description or f"the operand rounded to {dtype} before its cast", BugClass.PRECISION,
-                      Stage.SOURCE, partial(_rounded_first, dtype))
+                      OperandStage.SOURCE, partial(_rounded_first, dtype))
 
 
 def scaled_over(tile: tuple[int, int], description: str | None = None) -> Hypothesis:
     """The cast with one scale per `tile` (r, i) instead of its own."""
-    return Hypothesis(description or f"scales over {tile[0]}x{tile[1]} tiles", BugClass.SCALE, Stage.TILES,
+    return Hypothesis(description or f"scales over {tile[0]}x{tile[1]} tiles", BugClass.SCALE, OperandStage.TILES,
                       partial(_fixed_tile, tile))
 
 
@@ -371,14 +373,14 @@ class _Operand:
 def _formats(op: _Operand) -> dict[str, list[Hypothesis]]:
     fp8, other = op.fp8, op.other
     return {
-        "another format": [Hypothesis(f"cast to {other} instead of {fp8}", BugClass.FP8_DTYPE, Stage.FP8_FORMAT,
+        "another format": [Hypothesis(f"cast to {other} instead of {fp8}", BugClass.FP8_DTYPE, OperandStage.FP8_FORMAT,
                                       partial(_in_format, other))],
         "high precision": [Hypothesis(f"the operand used in high precision where the recipe casts it to {fp8}",
-                                      BugClass.PRECISION, Stage.FP8_FORMAT, kept_in_high_precision)],
+                                      BugClass.PRECISION, OperandStage.FP8_FORMAT, kept_in_high_precision)],
         "converted": [Hypothesis(f"its {fp8} values converted to {other} (the scale still {fp8}'s)",
-                                 BugClass.FP8_DTYPE, Stage.BYTES, partial(_converted_to, other))],
+                                 BugClass.FP8_DTYPE, OperandStage.BYTES, partial(_converted_to, other))],
         "ROCm": [Hypothesis(f"cast to {name} (ROCm's format, max {FP8_FORMATS[name].max:g}) instead of {fp8}",
-                            BugClass.FP8_DTYPE, Stage.FP8_FORMAT, partial(_in_format, name))
+                            BugClass.FP8_DTYPE, OperandStage.FP8_FORMAT, partial(_in_format, name))
                  for name in ("e4m3fnuz", "e5m2fnuz")],
     }
 
@@ -390,14 +392,14 @@ def _precision(op: _Operand) -> dict[str, list[Hypothesis]]:
                           for name, dtype in NARROWER],
         "product": [Hypothesis(f"the operand multiplied by its scale in {name} (a {name} tensor times a 0-dim "
                                f"float32 scale stays {name}): rounded twice, to {name} and then to {fp8}",
-                               BugClass.PRECISION, Stage.SCALED, partial(_product_in, dtype))
+                               BugClass.PRECISION, OperandStage.SCALED, partial(_product_in, dtype))
                     for name, dtype in NARROWER],
         "values": [Hypothesis(f"the operand rounded to {name} after its amax and before its scaling (the scale "
-                              f"from the unrounded values)", BugClass.PRECISION, Stage.SCALED,
+                              f"from the unrounded values)", BugClass.PRECISION, OperandStage.SCALED,
                               partial(_values_rounded, dtype)) for name, dtype in NARROWER],
         "product on the GPU": [Hypothesis(f"the operand multiplied by its scale in {name} on the GPU (the 0-dim "
                                           f"scale converted to {name} first, then the product): rounded twice, to "
-                                          f"{name} and then to {fp8}", BugClass.PRECISION, Stage.SCALED,
+                                          f"{name} and then to {fp8}", BugClass.PRECISION, OperandStage.SCALED,
                                           partial(_product_on_gpu, dtype)) for name, dtype in NARROWER],
     }
 
@@ -405,27 +407,31 @@ def _precision(op: _Operand) -> dict[str, list[Hypothesis]]:
 def _amax(op: _Operand) -> dict[str, list[Hypothesis]]:
     whole = op.own_tile == (op.rows, op.inner)  # one group: its first group is every group
     return {
-        "without abs": [Hypothesis("amax = max(x) instead of max(|x|)", BugClass.SCALE, Stage.AMAX, _signed_amax)],
-        "rounded copy": [Hypothesis(f"its amax taken from a copy rounded to {name}", BugClass.SCALE, Stage.AMAX,
+        "without abs": [Hypothesis("amax = max(x) instead of max(|x|)", BugClass.SCALE, OperandStage.AMAX,
+                                   _signed_amax)],
+        "rounded copy": [Hypothesis(f"its amax taken from a copy rounded to {name}", BugClass.SCALE, OperandStage.AMAX,
                                     partial(_amax_of_rounded_copy, dtype)) for name, dtype in NARROWER],
         "first group": [] if whole else [
             Hypothesis("every group scaled by the first group's amax (a scale indexed [0] and broadcast)",
-                       BugClass.SCALE, Stage.AMAX, _first_group_amax)],
+                       BugClass.SCALE, OperandStage.AMAX, _first_group_amax)],
     }
 
 
 def _scale(op: _Operand) -> dict[str, list[Hypothesis]]:
     recipe = op.recipe
     return {
-        "bf16": [Hypothesis("its scale rounded to bfloat16", BugClass.SCALE, Stage.SCALE, _scale_in_bf16)],
+        "bf16": [Hypothesis("its scale rounded to bfloat16", BugClass.SCALE, OperandStage.SCALE, _scale_in_bf16)],
         "reciprocal": [EXACT_SCALES_HYPOTHESIS if recipe.reciprocal_scales else RECIPROCAL_SCALES_HYPOTHESIS],
-        "not inverted": [Hypothesis("the GEMM handed its scale instead of the inverse", BugClass.SCALE, Stage.INVERSE,
+        "not inverted": [Hypothesis("the GEMM handed its scale instead of the inverse", BugClass.SCALE,
+                                    OperandStage.INVERSE,
                                     _not_inverted)],
         "pow2": [Hypothesis("scales not rounded down to a power of two" if recipe.pow2_scales else
-                            "scales rounded down to a power of two", BugClass.SCALE, Stage.SCALE, _pow2_flipped)],
+                            "scales rounded down to a power of two", BugClass.SCALE, OperandStage.SCALE,
+        _pow2_flipped)],
         "no floor": [Hypothesis("no floor under amax: an all-zero group gets an infinite scale", BugClass.SCALE,
-                                Stage.SCALE, partial(oracles.amax_to_scale, eps=0.0))],
-        "floors": [Hypothesis(f"a floor of {eps:g} under amax instead of {oracles.EPS:g}", BugClass.SCALE, Stage.SCALE,
+                                OperandStage.SCALE, partial(oracles.amax_to_scale, eps=0.0))],
+        "floors": [Hypothesis(f"a floor of {eps:g} under amax instead of {oracles.EPS:g}", BugClass.SCALE,
+                              OperandStage.SCALE,
                               partial(oracles.amax_to_scale, eps=eps)) for eps in (1e-4, 1e-6, 1e-8, 1e-10)],
     }
 
@@ -460,7 +466,8 @@ def _sources(op: _Operand) -> dict[str, list[Hypothesis]]:
 
 
 def _grids(op: _Operand) -> dict[str, list[Hypothesis]]:
-    return {"grids": [Hypothesis(description, category, Stage.GRID, transform) for category, transform, description in (
+    return {"grids": [Hypothesis(description, category, OperandStage.GRID, transform) for category, transform,
+                      description in (
         (BugClass.TRANSPOSE, _grid_transposed, "its grid of scales transposed"),
         (BugClass.TRANSPOSE, _grid_reshaped, "its grid of scales reinterpreted with reshape instead of transposed"),
         (BugClass.SCALE, _grid_first, "the GEMM handed the first group's inverse scale for every group (the values "
@@ -476,13 +483,13 @@ def _saturation(op: _Operand) -> dict[str, list[Hypothesis]]:
     own = FP8_FORMATS[op.fp8]
     return {
         "clipped at an RMS": [Hypothesis(f"clipped at {k} times its RMS before the cast", BugClass.SATURATION,
-                                         Stage.SOURCE, partial(_clipped_at_rms, float(k)))
+                                         OperandStage.SOURCE, partial(_clipped_at_rms, float(k)))
                               for k in (2, 3, 4, 6, 8, 10, 16)],
         "clamped to the max": [Hypothesis(f"clamped to +-{own.max:g} (the fp8 max) before it is scaled",
-                                          BugClass.SATURATION, Stage.SOURCE, partial(_clipped, own.max))],
+                                          BugClass.SATURATION, OperandStage.SOURCE, partial(_clipped, own.max))],
         "raw values clamped": [Hypothesis(f"its raw values clamped to +-{fmt.max:g} ({fmt.name}'s max) before they "
                                           f"are scaled, the scale from the unclamped amax", BugClass.SATURATION,
-                                          Stage.SCALED, partial(_raw_clamped, fmt.max))
+                                          OperandStage.SCALED, partial(_raw_clamped, fmt.max))
                                for fmt in (FP8_FORMATS[name] for name in ("e4m3", "e5m2", "e4m3fnuz"))],
         "ranges": _ranges(op.fp8),
     }
@@ -494,19 +501,20 @@ def _ranges(fp8: str) -> list[Hypothesis]:
     if fp8 == "e4m3":
         return [
             Hypothesis(f"scaled to e5m2's max ({e5m2:g}) and saturated at e4m3's {e4m3:g}", BugClass.SATURATION,
-                       Stage.SCALE, partial(_aimed_at, e5m2)),
+                       OperandStage.SCALE, partial(_aimed_at, e5m2)),
             Hypothesis(f"scaled to e5m2's max ({e5m2:g}) and cast without saturating: beyond {e4m3:g} it is NaN",
-                       BugClass.SATURATION, Stage.SATURATION, _not_saturating,
-                       also=((Stage.SCALE, partial(_aimed_at, e5m2)),)),
+                       BugClass.SATURATION, OperandStage.SATURATION, _not_saturating,
+                       also=((OperandStage.SCALE, partial(_aimed_at, e5m2)),)),
             Hypothesis(f"clamped at {fnuz:g} (e4m3fnuz's max) instead of {e4m3:g}", BugClass.SATURATION,
-                       Stage.SATURATION, partial(_clamped_at, fnuz)),
-            Hypothesis(f"scaled to {fnuz:g} (e4m3fnuz's max) instead of {e4m3:g}", BugClass.SCALE, Stage.SCALE,
+                       OperandStage.SATURATION, partial(_clamped_at, fnuz)),
+            Hypothesis(f"scaled to {fnuz:g} (e4m3fnuz's max) instead of {e4m3:g}", BugClass.SCALE, OperandStage.SCALE,
                        partial(_aimed_at, fnuz)),
         ]
     return [
-        Hypothesis(f"clamped at e4m3's {e4m3:g} instead of e5m2's {e5m2:g}", BugClass.SATURATION, Stage.SATURATION,
+        Hypothesis(f"clamped at e4m3's {e4m3:g} instead of e5m2's {e5m2:g}", BugClass.SATURATION,
+                   OperandStage.SATURATION,
                    partial(_clamped_at, e4m3)),
-        Hypothesis(f"scaled to e4m3's max ({e4m3:g}) instead of e5m2's", BugClass.SATURATION, Stage.SCALE,
+        Hypothesis(f"scaled to e4m3's max ({e4m3:g}) instead of e5m2's", BugClass.SATURATION, OperandStage.SCALE,
                    partial(_aimed_at, e4m3)),
     ]
 
@@ -516,12 +524,12 @@ def _bytes(op: _Operand) -> dict[str, list[Hypothesis]]:
     an fp8 copy kept in the other orientation and recovered with view/reshape instead of .t()."""
     if op.rows == op.inner:
         return {"bytes": [Hypothesis("its fp8 bytes transposed after the cast (the scales are not)",
-                                     BugClass.TRANSPOSE, Stage.BYTES, _bytes_transposed)]}
+                                     BugClass.TRANSPOSE, OperandStage.BYTES, _bytes_transposed)]}
     return {"bytes": [
         Hypothesis("its fp8 bytes, kept transposed, recovered with view/reshape instead of .t() (the scales are the "
-                   "recipe's)", BugClass.TRANSPOSE, Stage.BYTES, _bytes_from_transposed_copy),
+                   "recipe's)", BugClass.TRANSPOSE, OperandStage.BYTES, _bytes_from_transposed_copy),
         Hypothesis("its fp8 bytes reinterpreted with view/reshape into the transposed shape (the scales are the "
-                   "recipe's)", BugClass.TRANSPOSE, Stage.BYTES, _bytes_reshaped)]}
+                   "recipe's)", BugClass.TRANSPOSE, OperandStage.BYTES, _bytes_reshaped)]}
 
 
 FAMILIES = (_formats, _precision, _amax, _scale, _tiles, _sources, _grids, _saturation, _bytes)

@@ -52,15 +52,19 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import pandas as pd
 
+from parity.findings import Finding
 from parity.recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
+from parity.rows import Row, as_rows, row_key
+from parity.vocabulary import Cause, Kind, Stage, Tensor
 
 SQNR_MARGIN_DB = 3.0
 TINY_MARGIN_DB = 10.0
 PAIRED_MARGIN_DB = 3.0
+ACCURACY_REFERENCE = "fp64"  # the reference every implementation's accuracy is measured against
 
 
 class Policy(str, enum.Enum):
@@ -108,28 +112,33 @@ def sqnr_floor(recipe: Recipe | str, tensor: str, dist: str, input_dtype: str = 
 CPU_IGNORES = "only the use_fast_accum flag differs, which a CPU ignores (a GPU's numbers can show it)"
 
 
-@dataclass(frozen=True)
-class Violation:
+@dataclass(frozen=True, kw_only=True)
+class Violation(Finding):
+    """A row (or a pair of rows) that breaks its policy: `kind` is the metric judged (the JSON's
+    `metric`), `value` and `allowed` what was measured and what the policy allows, `message` one
+    sentence (what is wrong) and `detail` where (the worst element, its values and ULP distance).
+    Decisions read the typed fields: `cause` (why, where the kind alone does not say), `error` (a
+    crash's Raised or Died), `problems` (a contract or GPU-rule violation's problems, an operand
+    violation's StageFindings)."""
+
     case_id: str
     impl: str
     reference: str
-    tensor: str
-    step: int
-    metric: str
     value: object
     allowed: object
-    message: str  # one sentence: what is wrong
-    detail: str = ""  # where: the worst element, its values and ULP distance
+    message: str
+    detail: str = ""
+    cause: Cause | None = None
+    error: object = None
+    problems: tuple = ()
+
+    @property
+    def metric(self) -> Kind:
+        return self.kind
 
     @property
     def full_message(self) -> str:
         return f"{self.message}; {self.detail}" if self.detail else self.message
-
-
-def _text(row: Mapping, key: str) -> str:
-    """A text cell: '' for None, NaN (a re-read CSV's empty cell) or a missing column."""
-    value = row.get(key)
-    return value if isinstance(value, str) else ""
 
 
 def _fmt(x) -> str:
@@ -138,126 +147,130 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def _row_violations(row: Mapping, policy: Policy) -> list[Violation]:
-    where = (f"greatest abs diff {_fmt(row['max_abs_err'])} at index {row['max_abs_index']} "
-             f"(candidate {_fmt(row['worst_candidate'])}, {row['reference']} {_fmt(row['worst_reference'])}, "
-             f"{_fmt(row['ulp_max'])} ulp)")
-    v = lambda metric, value, allowed, message: Violation(  # noqa: E731
-        row["case_id"], row["impl"], row["reference"], row["tensor"], int(row["step"]), metric, value, allowed,
-        f"{row['tensor']} (step {row['step']}): {message}", where)
+def _of(row: Row, kind: Kind, value, allowed, message: str, **more) -> Violation:
+    """A violation of `row` (its case, implementation, reference, tensor and step)."""
+    return Violation(kind=kind, case_id=row.case_id, impl=row.impl, reference=row.reference, tensor=Tensor(row.tensor),
+                     step=int(row.step), value=value, allowed=allowed, message=message, **more)
+
+
+def _row_violations(row: Row, policy: Policy) -> list[Violation]:
+    where = (f"greatest abs diff {_fmt(row.max_abs_err)} at index {row.max_abs_index} "
+             f"(candidate {_fmt(row.worst_candidate)}, {row.reference} {_fmt(row.worst_reference)}, "
+             f"{_fmt(row.ulp_max)} ulp)")
+
+    def v(kind: Kind, value, allowed, message: str, cause: Cause | None = None) -> Violation:
+        return _of(row, kind, value, allowed, f"{row.tensor} (step {row.step}): {message}", detail=where, cause=cause)
     out = []
-    recipe = _text(row, "recipe") or DEFAULT_RECIPE.name
-    floor = (sqnr_floor(recipe, row["tensor"], row["dist"], row["input_dtype"], row.get("n_eff", math.inf))
-             if policy is Policy.SQNR else None)
+    recipe = row.recipe or DEFAULT_RECIPE.name
+    floor = sqnr_floor(recipe, row.tensor, row.dist, row.input_dtype, row.n_eff) if policy is Policy.SQNR else None
     if policy is Policy.SQNR and floor is None:
         return out
-    if row["nan"] > row["ref_nan"] or row.get("unexpected_inf", 0) > 0:
-        out.append(v("nonfinite", f"{row['nan']} NaN, {row['inf']} Inf", f"{row['ref_nan']} NaN, {row['ref_inf']} Inf",
-                     f"{row['nan']} NaN and {row['inf']} Inf where {row['reference']} has {row['ref_nan']} and "
-                     f"{row['ref_inf']} ({row.get('unexpected_inf', 0)} Inf where the reference is far from "
-                     f"overflowing)"))
-    if policy is Policy.BITWISE and not row["bitwise"]:
-        if math.isnan(row["max_abs_err"]):
-            out.append(v("bitwise", "not comparable", "bitwise equal",
-                         f"cannot be compared with {row['reference']} (shape differs: see contract)"))
-        elif row["n_diff"] == 0:
-            out.append(v("bitwise", f"dtype {row['dtype']}", "bitwise equal",
-                         f"equal values but a different dtype ({row['dtype']}) from {row['reference']}"))
+    if row.nan > row.ref_nan or row.unexpected_inf > 0:
+        out.append(v(Kind.NONFINITE, f"{row.nan} NaN, {row.inf} Inf", f"{row.ref_nan} NaN, {row.ref_inf} Inf",
+                     f"{row.nan} NaN and {row.inf} Inf where {row.reference} has {row.ref_nan} and {row.ref_inf} "
+                     f"({row.unexpected_inf} Inf where the reference is far from overflowing)"))
+    if policy is Policy.BITWISE and not row.bitwise:
+        if math.isnan(row.max_abs_err):
+            out.append(v(Kind.BITWISE, "not comparable", "bitwise equal",
+                         f"cannot be compared with {row.reference} (shape differs: see contract)", Cause.SHAPE_DIFFERS))
+        elif row.n_diff == 0:
+            out.append(v(Kind.BITWISE, f"dtype {row.dtype}", "bitwise equal",
+                         f"equal values but a different dtype ({row.dtype}) from {row.reference}", Cause.DTYPE_ONLY))
         else:
-            out.append(v("bitwise", f"{row['n_diff']} of {row['numel']} elements differ", "bitwise equal",
-                         f"not bitwise equal to {row['reference']}: {row['n_diff']} of {row['numel']} elements "
-                         f"differ (allowed: none; same recipe in eager mode)"))
-    elif policy is Policy.ACCUMULATION and row["bound_ratio"] > 1:
-        out.append(v("accumulation_bound", row["bound_ratio"], 1.0,
-                     f"{row['n_beyond_bound']} of {row['numel']} elements differ from the exact FP8 result by more "
-                     f"than accumulation and rounding allow (worst: {_fmt(row['bound_ratio'])}x the bound, at index "
-                     f"{row['bound_index']})"))
-    elif policy is Policy.SQNR and not row["sqnr_db"] >= floor:
-        out.append(v("sqnr_db", row["sqnr_db"], floor,
-                     f"SQNR {_fmt(row['sqnr_db'])} dB against {row['reference']} is below the {recipe} floor "
-                     f"{_fmt(floor)} dB for {row['dist']} data"))
+            out.append(v(Kind.BITWISE, f"{row.n_diff} of {row.numel} elements differ", "bitwise equal",
+                         f"not bitwise equal to {row.reference}: {row.n_diff} of {row.numel} elements "
+                         f"differ (allowed: none; same recipe in eager mode)", Cause.VALUES_DIFFER))
+    elif policy is Policy.ACCUMULATION and row.bound_ratio > 1:
+        out.append(v(Kind.ACCUMULATION_BOUND, row.bound_ratio, 1.0,
+                     f"{row.n_beyond_bound} of {row.numel} elements differ from the exact FP8 result by more "
+                     f"than accumulation and rounding allow (worst: {_fmt(row.bound_ratio)}x the bound, at index "
+                     f"{row.bound_index})"))
+    elif policy is Policy.SQNR and not row.sqnr_db >= floor:
+        out.append(v(Kind.SQNR_DB, row.sqnr_db, floor,
+                     f"SQNR {_fmt(row.sqnr_db)} dB against {row.reference} is below the {recipe} floor "
+                     f"{_fmt(floor)} dB for {row.dist} data"))
     return out
 
 
-def _candidate_violations(row: Mapping) -> list[Violation]:
+def _candidate_violations(row: Row) -> list[Violation]:
     """Findings about the candidate itself (not about one comparison)."""
-    v = lambda metric, value, message: Violation(  # noqa: E731
-        row["case_id"], row["impl"], row["reference"], row["tensor"], int(row["step"]), metric, value, "", message)
     out = []
-    if _text(row, "contract"):
-        out.append(v("contract", row["contract"], f"{row['tensor']}: {row['contract']}"))
-    if _text(row, "scaled_mm"):
-        out.append(v("scaled_mm_contract", row["scaled_mm"], row["scaled_mm"]))
+    if row.contract:
+        contract = "; ".join(map(str, row.contract))
+        out.append(_of(row, Kind.CONTRACT, contract, "", f"{row.tensor}: {contract}", problems=row.contract))
+    if row.scaled_mm:
+        text = "; ".join(map(str, row.scaled_mm))
+        out.append(_of(row, Kind.SCALED_MM_CONTRACT, text, "", text, problems=row.scaled_mm))
     return out
 
 
-def _crash_message(error: str) -> str:
-    """'the implementation raised: <where>: <Exception>' or, for a worker that died, what happened."""
-    return error if error.startswith("the implementation") else f"the implementation raised: {error}"
+def _operand_violation(row: Row) -> Violation:
+    operands = "; ".join(map(str, row.operands))
+    flag_only = row.operand_stages == {Stage.FAST_ACCUM} and row.device == "cpu"
+    return _of(row, Kind.OPERAND, operands, f"the {row.recipe} oracle's operands",
+               f"{row.tensor} (step {row.step}): the GEMM was handed other operands than the recipe's: {operands}",
+               detail=CPU_IGNORES if flag_only else "", cause=Cause.FLAG_IGNORED_ON_CPU if flag_only else None,
+               problems=row.operands)
 
 
-def row_policy(row: Mapping) -> Policy:
+def _crash(row: Row) -> Violation:
+    return Violation(kind=Kind.CRASH, case_id=row.case_id, impl=row.impl, reference=row.reference, tensor=Tensor.ALL,
+                     step=int(row.step), value=row.error, allowed="", message=row.error.crash_message, error=row.error)
+
+
+def row_policy(row: Row) -> Policy:
     """The policy a result row is judged by: its `policy` column (written by parity.runner)."""
-    return Policy(_text(row, "policy") or Policy.NONE.value)
+    return Policy(row.policy or Policy.NONE.value)
 
 
-def evaluate(rows: pd.DataFrame | Iterable[Mapping], *, impls: Iterable[str] | None = None) -> list[Violation]:
+def evaluate(rows: pd.DataFrame | Iterable[Row], *, impls: Iterable[str] | None = None) -> list[Violation]:
     """All violations in `rows` (of the implementations `impls`, default all), each row judged by
     the policy it carries. The one verdict path: check, sweep, report and the property suite call
     it. A crash is reported once per case; skipped rows (a case an implementation cannot take)
-    are no violation."""
-    records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+    are no violation. A table (DataFrame) is read as its rows (parity.rows.rows_from_frame)."""
+    rows = as_rows(rows)
     wanted = None if impls is None else set(impls)
     violations, seen = [], set()
-    for row in records:
-        if (wanted is not None and row["impl"] not in wanted) or _text(row, "skipped"):
+    for row in rows:
+        if (wanted is not None and row.impl not in wanted) or row.skipped:
             continue
-        if _text(row, "error"):
-            if (row["case_id"], row["impl"]) not in seen:
-                seen.add((row["case_id"], row["impl"]))
-                violations.append(Violation(row["case_id"], row["impl"], row["reference"], "all", int(row["step"]),
-                                            "crash", row["error"], "", _crash_message(row["error"])))
+        if row.error is not None:
+            if (row.case_id, row.impl) not in seen:
+                seen.add((row.case_id, row.impl))
+                violations.append(_crash(row))
             continue
-        if _text(row, "reference_error"):
+        if row.reference_error is not None:
             continue  # not the candidate's fault: run_check reports it as an error verdict
         for violation in _candidate_violations(row):  # the same on every row of a key: kept once
-            key = (row["case_id"], row["impl"], row["tensor"], row["step"], violation.metric, violation.message)
+            key = (row.case_id, row.impl, row.tensor, row.step, violation.kind, violation.problems)
             if key not in seen:
                 seen.add(key)
                 violations.append(violation)
         policy = row_policy(row)
-        if _text(row, "operands") and policy in (Policy.BITWISE, Policy.ACCUMULATION):
-            violations.append(Violation(row["case_id"], row["impl"], row["reference"], row["tensor"], int(row["step"]),
-                                        "operand", row["operands"], f"the {row.get('recipe')} oracle's operands",
-                                        f"{row['tensor']} (step {row['step']}): the GEMM was handed other operands "
-                                        f"than the recipe's: {row['operands']}",
-                                        CPU_IGNORES if _text(row, "operand_stages") == "fast_accum"
-                                        and _text(row, "device") == "cpu" else ""))
+        if row.operands and policy in (Policy.BITWISE, Policy.ACCUMULATION):
+            violations.append(_operand_violation(row))
         if policy not in (Policy.PAIRED, Policy.NONE):
             violations.extend(_row_violations(row, policy))
-    violations.extend(_paired_violations(records, wanted))
+    violations.extend(_paired_violations(rows, wanted))
     return violations
 
 
-def _paired_violations(records: list[Mapping], wanted: set | None) -> list[Violation]:
-    paired = [r for r in records if _text(r, "policy") == Policy.PAIRED.value and not _text(r, "skipped")
-              and (wanted is None or r["impl"] in wanted)]
+def _paired_violations(rows: list[Row], wanted: set | None) -> list[Violation]:
+    paired = [r for r in rows if r.policy == Policy.PAIRED.value and not r.skipped
+              and (wanted is None or r.impl in wanted)]
     if not paired:
         return []
-    sqnr = {(r["case_id"], r["impl"], r["tensor"], r["step"]): r["sqnr_db"]
-            for r in records if r["reference"] == "fp64" and not _text(r, "error") and not _text(r, "skipped")}
+    sqnr = {r.key: r.sqnr_db for r in rows if r.reference == ACCURACY_REFERENCE and r.error is None and not r.skipped}
     out = []
     for r in paired:
-        if _text(r, "error") or _text(r, "reference_error"):
+        if r.error is not None or r.reference_error is not None:
             continue
-        mine = sqnr.get((r["case_id"], r["impl"], r["tensor"], r["step"]))
-        ref_sqnr = sqnr.get((r["case_id"], r["reference"], r["tensor"], r["step"]))
+        mine = sqnr.get(row_key(r.case_id, r.impl, ACCURACY_REFERENCE, r.tensor, r.step))
+        ref_sqnr = sqnr.get(row_key(r.case_id, r.reference, ACCURACY_REFERENCE, r.tensor, r.step))
         if mine is None or ref_sqnr is None or ref_sqnr == math.inf:
             continue
         if not mine >= ref_sqnr - PAIRED_MARGIN_DB:
-            out.append(Violation(
-                r["case_id"], r["impl"], r["reference"], r["tensor"], int(r["step"]), "paired_sqnr_db", mine,
-                ref_sqnr - PAIRED_MARGIN_DB,
-                f"{r['tensor']} (step {r['step']}): SQNR against fp64 {_fmt(mine)} dB is more than "
-                f"{PAIRED_MARGIN_DB} dB below {r['reference']}'s {_fmt(ref_sqnr)} dB on the same inputs"))
+            out.append(_of(r, Kind.PAIRED_SQNR_DB, mine, ref_sqnr - PAIRED_MARGIN_DB,
+                           f"{r.tensor} (step {r.step}): SQNR against fp64 {_fmt(mine)} dB is more than "
+                           f"{PAIRED_MARGIN_DB} dB below {r.reference}'s {_fmt(ref_sqnr)} dB on the same inputs"))
     return out

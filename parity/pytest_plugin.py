@@ -184,11 +184,10 @@ def pytest_sessionfinish(session, exitstatus):
     out = session.config.getoption("--fp8-report")
     if not out or not suite.SUITE.rows:
         return
-    import pandas as pd
-
     from parity.env import environment
     from parity.report import verdict, write_report
-    frame = pd.DataFrame.from_records(suite.SUITE.rows)
+    from parity.rows import frame as rows_frame
+    frame = rows_frame(suite.SUITE.rows)
     frame.attrs["env"] = environment(suite.SUITE.device)
     judged = verdict(frame, candidate=suite.SUITE.candidate.name)
     write_report(frame, out, title=f"fp8-parity property suite: {suite.SUITE.candidate.name}",

@@ -151,7 +151,7 @@ class RelationResult:
     relation: str
     holds: bool
     broken: list[str]  # "grad_weight (step 0): 12 of 256 elements differ (max abs diff ...)"
-    error: str | None = None
+    error: object = None  # why nothing was compared: the execution's parity.rows.Raised, or a missing tensor
 
 
 def _mismatch(tensor: str, step: int, got: torch.Tensor | None, want: torch.Tensor | None, *,
@@ -254,7 +254,8 @@ def check_weight_update(impl: Impl, data: CaseData, *, base: Execution | None = 
         fresh = execute(impl, CaseData(replace(data.case, steps=1), [data.steps[step]], data.bias))
         if fresh.error:
             return RelationResult("weight_update", False, [], fresh.error)
-        broken += [problem.replace("(step 0)", f"(step {step})") for tensor in data.case.tensors
-                   if (problem := _mismatch(tensor, 0, base.steps[step][tensor], fresh.steps[0][tensor],
+        # (not reordered: `step` only names the step; the fresh layer's results are its step 0)
+        broken += [problem for tensor in data.case.tensors
+                   if (problem := _mismatch(tensor, step, base.steps[step][tensor], fresh.steps[0][tensor],
                                             reordered=False, data=data, emulated=None))]
     return RelationResult("weight_update", not broken, broken)

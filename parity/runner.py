@@ -13,7 +13,6 @@ finding, never a crash of the harness).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -26,14 +25,17 @@ from torch import nn
 
 from parity import cpu_gemm, oracles, sandbox, worker
 from parity.cases import Case
-from parity.contract import (ScaledMMCall, ScaledMMRecorder, TensorContract, contract_violations,
-                             expected_contract, sm90_violations)
+from parity.contract import (Breach, CallProblem, ContractProblem, ScaledMMCall, ScaledMMRecorder, TensorContract,
+                             contract_problems, expected_contract, sm90_problems)
 from parity.data import CaseData, make_data, materialize
 from parity.diagnose import call_findings
 from parity.env import environment
-from parity.impls import Impl
-from parity.metrics import METRICS, compare
+from parity.impls import BUILTINS, Impl
+from parity.metrics import compare
 from parity.policy import Policy, default_policy
+from parity.rows import Raised, Row
+from parity.rows import frame as rows_frame
+from parity.vocabulary import Phase
 
 # Cases whose GEMM operands have at most this many elements (256 x 256) compute their exact
 # references and metrics on the CPU: for tensors this small a GPU kernel launch costs more than
@@ -49,8 +51,8 @@ class Execution:
     steps: list[dict[str, torch.Tensor | None]] = field(default_factory=list)
     calls: list[ScaledMMCall] = field(default_factory=list)
     layouts: list[dict[str, TensorContract | None]] = field(default_factory=list)  # per step: dtype/shape/strides
-    problems: list[str] = field(default_factory=list)  # side effects: inputs modified in place, ...
-    error: str | None = None  # "<where>: <ExceptionType>: <message> (at file:line)"
+    problems: list[ContractProblem] = field(default_factory=list)  # side effects: inputs modified in place, ...
+    error: Raised | None = None
     seconds: float = 0.0
     # the forward's output of each step that got that far: a backward that raises keeps the
     # forward's numbers, so a crash does not hide them
@@ -61,18 +63,18 @@ HARNESS = str(Path(__file__).resolve().parent)
 TORCH = str(Path(torch.__file__).resolve().parent)
 
 
-def _describe_exception(err: BaseException, where: str) -> str:
-    """"<where>: <Type>: <first line> (at file:line)", the line being the deepest frame of the
-    implementation's own code (outside the harness and torch; torch's own frame when there is none),
-    and none for a problem the harness detects itself (a returned tuple)."""
+def _raised(err: BaseException, phase: Phase, step: int | None) -> Raised:
+    """The exception, where the code under test was, and the deepest frame of the implementation's own
+    code (outside the harness and torch; torch's own frame when there is none), none for a problem the
+    harness detects itself (a returned tuple)."""
     every = traceback.extract_tb(err.__traceback__)
     frames = [f for f in every if not f.filename.startswith(HARNESS)]
     code = [f for f in frames if not f.filename.startswith(TORCH)]  # the implementation's own lines
     if code or (every and every[-1].filename.startswith(HARNESS)):  # raised by the harness: the user's line or none
         frames = code
-    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    at = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{where}: {type(err).__name__}: {message}{at}"
+    return Raised(phase, step, type(err).__name__, message, at)
 
 
 @dataclass(frozen=True)
@@ -91,22 +93,95 @@ def all_pairs(impls: Sequence[Impl], references: Sequence[Impl], *,
             for impl in impls for reference in references if reference.name != impl.name]
 
 
+class _Run:
+    """One implementation running a case's steps (execute): where it is (for a worker that dies there,
+    and for the exception it raises) and what it gave."""
+
+    def __init__(self, impl: Impl, data: CaseData, recorder: ScaledMMRecorder | None, result: Execution):
+        self.impl, self.data, self.recorder, self.result = impl, data, recorder, result
+        self.phase, self.step = Phase.BUILD, None
+        self.in_dtype = impl.compute_dtype or data.case.torch_input_dtype
+        self.w_dtype = impl.compute_dtype or data.case.torch_weight_dtype
+
+    def at(self, phase: Phase, step: int | None = None) -> None:
+        self.phase, self.step = phase, step
+        worker.report_phase(self.impl.name, phase.at(step))
+
+    def linear(self) -> nn.Linear:
+        """The nn.Linear the implementation is built from, holding the case's first weight."""
+        case = self.data.case
+        linear = nn.Linear(case.K, case.N, bias=case.bias, device="meta")
+        linear.weight = nn.Parameter(materialize(self.data.steps[0].weight, case.weight_layout, dtype=self.w_dtype))
+        if case.bias:
+            linear.bias = nn.Parameter(self.data.bias.to(self.w_dtype).clone())
+        return linear
+
+    def recorded(self, phase: str, step_index: int, run: Callable):
+        """run(), its _scaled_mm calls recorded as the `phase` of step `step_index` (when recording)."""
+        if self.recorder is None:
+            return run()
+        self.recorder.phase, self.recorder.step = phase, step_index
+        with self.recorder:
+            return run()
+
+    def run_step(self, step_index: int, module, weight, bias) -> None:
+        case, step, result = self.data.case, self.data.steps[step_index], self.result
+        if step_index:  # an in-place update, like an optimizer step
+            self.at(Phase.UPDATE, step_index)
+            with torch.no_grad():
+                weight.copy_(step.weight)
+            weight.grad = None
+            if bias is not None:
+                bias.grad = None
+        input = materialize(step.input, case.input_layout, dtype=self.in_dtype).requires_grad_()
+        grad_output = materialize(step.grad_output, case.grad_output_layout, dtype=self.in_dtype)
+        versions = input._version, weight._version
+        before = input.detach().clone(), weight.detach().clone(), grad_output.clone()
+        self.at(Phase.FORWARD, step_index)
+        output = self.recorded("forward", step_index, lambda: module(input))
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"the module returned {type(output).__name__}, not a tensor")
+        _surface_kernel_errors(self.data.device)
+        result.forward_outputs.append(output.detach())
+        self.at(Phase.BACKWARD, step_index)
+        self.recorded("backward", step_index, lambda: output.backward(grad_output))
+        result.problems += _side_effects(step_index, (input, weight, grad_output, output), versions, before)
+        _surface_kernel_errors(self.data.device)
+        results = dict(output=output.detach(), grad_input=input.grad, grad_weight=weight.grad,
+                       grad_bias=None if bias is None else bias.grad)
+        result.steps.append(results)
+        result.layouts.append({name: t if t is None else TensorContract(t.dtype, tuple(t.shape), tuple(t.stride()))
+                               for name, t in results.items()})
+
+
+def _side_effects(step_index: int, tensors, versions, before) -> list[ContractProblem]:
+    """What a call did beside its results: the caller's tensors written in place, an output that is a
+    view of the input."""
+    input, weight, grad_output, output = tensors
+    input_version, weight_version = versions
+    input_before, weight_before, grad_output_before = before
+    problems = []
+    if input._version != input_version or not _same_values(input, input_before):
+        problems.append(ContractProblem(Breach.MODIFIED_IN_PLACE, "input", step_index))
+    if weight._version != weight_version or not _same_values(weight, weight_before):
+        problems.append(ContractProblem(Breach.MODIFIED_IN_PLACE, "weight", step_index,
+                                        detail="" if weight._version != weight_version else " (through .data)"))
+    if not _same_values(grad_output, grad_output_before):  # the caller's gradient, e.g. an in-place mul_
+        problems.append(ContractProblem(Breach.MODIFIED_IN_PLACE, "grad_output", step_index))
+    if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+        problems.append(ContractProblem(Breach.SHARES_MEMORY, "output", step_index))
+    return problems
+
+
 def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool = False) -> Execution:
     """Run `impl` forward and backward on every step of `data`; never raises for impl errors.
     record: record its _scaled_mm calls (keep_data: with their tensors, for parity.diagnose)."""
     case, result = data.case, Execution(impl)
-    in_dtype = impl.compute_dtype or case.torch_input_dtype
-    w_dtype = impl.compute_dtype or case.torch_weight_dtype
     start = time.perf_counter()
-    linear = nn.Linear(case.K, case.N, bias=case.bias, device="meta")
-    linear.weight = nn.Parameter(materialize(data.steps[0].weight, case.weight_layout, dtype=w_dtype))
-    if case.bias:
-        linear.bias = nn.Parameter(data.bias.to(w_dtype).clone())
     recorder = ScaledMMRecorder(case.M, case.K, case.N, keep_data=keep_data) if record else None
-    def at(phase: str) -> str:  # where the code under test is, for a worker that dies there
-        worker.report_phase(impl.name, phase)
-        return phase
-    where = at("building the module")
+    run = _Run(impl, data, recorder, result)
+    linear = run.linear()
+    run.at(Phase.BUILD)
     guards = contextlib.ExitStack()
     guards.enter_context(sandbox.exits_raise())
     if data.device.type == "cpu" and cpu_gemm.enabled():  # below the recorder: it records a call, this computes it
@@ -114,72 +189,35 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
     state = sandbox.GlobalState.capture()
     try:
         module, weight, bias = impl.build(linear)
-        for step_index, step in enumerate(data.steps):
-            if step_index:  # an in-place update, like an optimizer step
-                where = at(f"step {step_index}: updating the weight in place")
-                with torch.no_grad():
-                    weight.copy_(step.weight)
-                weight.grad = None
-                if bias is not None:
-                    bias.grad = None
-            input = materialize(step.input, case.input_layout, dtype=in_dtype).requires_grad_()
-            grad_output = materialize(step.grad_output, case.grad_output_layout, dtype=in_dtype)
-            input_version, weight_version = input._version, weight._version
-            weight_before, input_before = weight.detach().clone(), input.detach().clone()
-            grad_output_before = grad_output.clone()
-            where = at(f"step {step_index}: forward")
-            if recorder is not None:
-                recorder.phase, recorder.step = "forward", step_index
-                with recorder:
-                    output = module(input)
-            else:
-                output = module(input)
-            if not isinstance(output, torch.Tensor):
-                raise TypeError(f"the module returned {type(output).__name__}, not a tensor")
-            _surface_kernel_errors(data.device)
-            result.forward_outputs.append(output.detach())
-            where = at(f"step {step_index}: backward")
-            if recorder is not None:
-                recorder.phase = "backward"
-                with recorder:
-                    output.backward(grad_output)
-            else:
-                output.backward(grad_output)
-            if input._version != input_version or not _same_values(input, input_before):
-                result.problems.append(f"step {step_index}: the input was modified in place")
-            if weight._version != weight_version or not _same_values(weight, weight_before):
-                result.problems.append(f"step {step_index}: the weight was modified in place by forward/backward"
-                                       + ("" if weight._version != weight_version else " (through .data)"))
-            if not _same_values(grad_output, grad_output_before):  # the caller's gradient, e.g. an in-place mul_
-                result.problems.append(f"step {step_index}: grad_output was modified in place by backward")
-            if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
-                result.problems.append(f"step {step_index}: the output shares memory with the input (a view of it)")
-            _surface_kernel_errors(data.device)
-            results = dict(output=output.detach(), grad_input=input.grad, grad_weight=weight.grad,
-                           grad_bias=None if bias is None else bias.grad)
-            result.steps.append(results)
-            result.layouts.append({name: t if t is None else TensorContract(t.dtype, tuple(t.shape), tuple(t.stride()))
-                                   for name, t in results.items()})
+        for step_index in range(len(data.steps)):
+            run.run_step(step_index, module, weight, bias)
     except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - an implementation that raises is a finding
-        result.error = _describe_exception(err, where)
+        _ended_by(err, run)
         if data.device.type == "cuda" and _cuda_context_lost(data.device):
             # an illegal address or a device-side assert poisons this process's CUDA context: nothing
             # more runs here, so the worker ends and the parent runs the next case on a fresh one
             worker.end_worker(f"raised a CUDA error that leaves the process's CUDA context unusable "
-                              f"({result.error.split(': ', 1)[-1]})")
+                              f"({result.error.after_where})")
     except KeyboardInterrupt as err:
         if not worker.in_worker():
             raise  # the user's Ctrl-C (in a worker SIGINT is ignored: only the code under test raises it)
-        result.error = _describe_exception(err, where)
+        _ended_by(err, run)
     finally:
         changed = state.changes_since()
         if changed:
-            result.problems.append(f"the implementation changed global state: {'; '.join(changed)} (restored)")
+            result.problems.append(ContractProblem(Breach.GLOBAL_STATE, detail="; ".join(changed)))
         guards.close()
     if recorder is not None:
         result.calls = recorder.calls
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _ended_by(err: BaseException, run: _Run) -> None:
+    """The case ended with `err`: the execution's error, and the recorded call whose exception it is."""
+    run.result.error = _raised(err, run.phase, run.step)
+    if run.recorder is not None:
+        run.recorder.mark_ended_case(err)
 
 
 def _surface_kernel_errors(device: torch.device) -> None:
@@ -231,27 +269,45 @@ def _row_base(case: Case, comparison: Comparison, device_type: str) -> dict:
                 policy=comparison.policy.value, device=device_type)
 
 
-def skipped_rows(case: Case, comparison: Comparison, reason: str, *, device_type: str) -> list[dict]:
+def skipped_rows(case: Case, comparison: Comparison, reason: str, *, device_type: str) -> list[Row]:
     """The rows of a comparison that was not run: every metric missing, `skipped` says why."""
     base = _row_base(case, comparison, device_type)
-    empty = {**{m: math.nan for m in METRICS}, "bitwise": False, "error": None, "reference_error": None,
-             "contract": "", "scaled_mm": "", "operands": "", "skipped": reason, "bound_ratio": math.nan,
-             "n_beyond_bound": math.nan, "bound_index": None}
-    return [dict(base, tensor=tensor, step=step, **empty) for step in range(case.steps) for tensor in case.tensors]
+    return [Row(**base, tensor=tensor, step=step, skipped=reason) for step in range(case.steps)
+            for tensor in case.tensors]
+
+
+def _gpu_problems(calls: Sequence[ScaledMMCall]) -> dict[str, list[CallProblem]]:
+    """GEMM -> the problems an H100 has with the calls that may be it."""
+    by_gemm: dict[str, list[CallProblem]] = {}
+    for call in calls:
+        for problem in sm90_problems(call):
+            for gemm in call.gemms:
+                by_gemm.setdefault(gemm, []).append(CallProblem(call.gemms, problem))
+    return by_gemm
+
+
+def _bound(row: Row, data: CaseData, emulated, recipe, device_type: str, got, want) -> None:
+    """The row's accumulation bound: the GEMM's accumulation as the recipe runs it (fast only where the
+    recipe says so) and the roundings of its result."""
+    tensor, case = row.tensor, data.case
+    fast = tensor != "grad_bias" and recipe.gemm(tensor).fast_accum
+    magnitude, inner, value = oracles.magnitude_of(emulated[row.step], data.steps[row.step], tensor)
+    gamma = oracles.accumulation_gamma(inner, device_type=device_type if tensor != "grad_bias" else "cpu",
+                                       fast_accum=fast)
+    row.bound_ratio, row.n_beyond_bound, row.bound_index = oracles.accumulation_excess(
+        got, want, magnitude=magnitude, gamma=gamma, gemm_value=value,
+        rounding_chain=oracles.rounding_chain(case, tensor, recipe),
+        bias=data.bias if tensor == "output" and case.bias else None)
 
 
 def compare_executions(data: CaseData, candidate: Execution, reference: Execution, *, device_type: str,
-                       policy: Policy | None = None) -> list[dict]:
+                       policy: Policy | None = None) -> list[Row]:
     """Rows of `candidate` against `reference` for every tensor and step of the case."""
     case = data.case
     comparison = Comparison(candidate.impl, reference.impl, policy or default_policy(candidate.impl, reference.impl))
     contract = expected_contract(case, compute_dtype=candidate.impl.compute_dtype)
-    gemm_problems: dict[str, list[str]] = {}
-    for call in candidate.calls:
-        for problem in sm90_violations(call):
-            for gemm in call.gemm.split("|"):
-                gemm_problems.setdefault(gemm, []).append(f"{call.gemm} GEMM: {problem}")
-    emulated_steps, operand_problems, operand_stages = None, {}, {}
+    gpu_problems = _gpu_problems(candidate.calls)
+    emulated_steps, operand_findings = None, {}
     recipe = reference.impl.recipe
     if reference.impl.exact and not (candidate.error or reference.error):
         host = candidate.steps and candidate.steps[0]["output"].device.type == "cpu"
@@ -259,67 +315,66 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
         emulated_steps = emulated_steps_of(data, recipe)
         if candidate.impl.recipe is recipe:
             for finding in call_findings(candidate.calls, data.steps, recipe, case):
-                operand_problems.setdefault((finding.step, finding.gemm), []).append(str(finding))
-                operand_stages.setdefault((finding.step, finding.gemm), set()).add(finding.stage)
+                operand_findings.setdefault((finding.step, finding.gemm), []).append(finding)
+    base = _row_base(case, comparison, device_type)
     rows = []
     for step_index in range(case.steps):
         for tensor in case.tensors:
-            row = dict(_row_base(case, comparison, device_type), tensor=tensor, step=step_index,
-                       **{m: math.nan for m in METRICS})
-            row.update(bitwise=False, error=None, reference_error=None, contract="", skipped=None,
-                       scaled_mm="; ".join(gemm_problems.get(tensor, [])),
-                       operands="; ".join(operand_problems.get((step_index, tensor), [])),
-                       operand_stages=",".join(sorted(operand_stages.get((step_index, tensor), ()))),
-                       bound_ratio=math.nan, n_beyond_bound=math.nan, bound_index=None)
+            findings = tuple(operand_findings.get((step_index, tensor), ()))
+            row = Row(**base, tensor=tensor, step=step_index, scaled_mm=tuple(gpu_problems.get(tensor, ())),
+                      operands=findings, operand_stages=frozenset(f.stage for f in findings))
             rows.append(row)
             if candidate.error or reference.error or step_index >= len(candidate.steps):
-                row["error"] = candidate.error
-                row["reference_error"] = reference.error
+                row.error, row.reference_error = candidate.error, reference.error
                 continue
             got = candidate.steps[step_index][tensor]
             want = reference.steps[step_index][tensor]
-            problems = contract_violations(candidate.layouts[step_index][tensor], contract[tensor], tensor)
+            problems = contract_problems(candidate.layouts[step_index][tensor], contract[tensor], tensor)
             if step_index == 0 and tensor == "output":
                 problems = candidate.problems + problems
-            row["contract"] = "; ".join(problems)
-            row["dtype"] = None if got is None else str(got.dtype).replace("torch.", "")
+            row.contract = tuple(problems)
+            row.dtype = None if got is None else str(got.dtype).replace("torch.", "")
             if got is None or want is None or tuple(got.shape) != tuple(want.shape):
                 continue
             chain = oracles.rounding_chain(case, tensor, candidate.impl.recipe)
             row.update(compare(got, want, dtype=contract[tensor].dtype,
                                overflow_dtype=min(chain, key=lambda dtype: torch.finfo(dtype).max)))
             if emulated_steps is not None:
-                # The GEMM's accumulation as the recipe runs it: fast only where the recipe says so.
-                fast = tensor != "grad_bias" and recipe.gemm(tensor).fast_accum
-                magnitude, inner, value = oracles.magnitude_of(emulated_steps[step_index], data.steps[step_index],
-                                                               tensor)
-                gamma = oracles.accumulation_gamma(inner, device_type=device_type if tensor != "grad_bias" else "cpu",
-                                                   fast_accum=fast)
-                row["bound_ratio"], row["n_beyond_bound"], row["bound_index"] = oracles.accumulation_excess(
-                    got, want, magnitude=magnitude, gamma=gamma, gemm_value=value,
-                    rounding_chain=oracles.rounding_chain(case, tensor, recipe),
-                    bias=data.bias if tensor == "output" and case.bias else None)
+                _bound(row, data, emulated_steps, recipe, device_type, got, want)
     return rows
 
 
-def crash_rows(case: Case, comparisons: Sequence[Comparison], message: str, *, culprit: str,
-               device_type: str) -> list[dict]:
-    """The rows of a case that did not come back (its worker died): an error of the implementation
-    that was running (`culprit`), or of the reference when it was the reference."""
+def crash_rows(case: Case, comparisons: Sequence[Comparison], error, *, culprit: str,
+               device_type: str) -> list[Row]:
+    """The rows of a case that did not come back (its worker died: `error`, a parity.worker.Died): an
+    error of the implementation that was running (`culprit`), or of the reference when it was the reference."""
     rows = []
     for comparison in comparisons:
-        for row in skipped_rows(case, comparison, "", device_type=device_type):
-            row["skipped"] = None
-            if comparison.reference.name == culprit and comparison.impl.name != culprit:
-                row["reference_error"] = message
-            else:
-                row["error"] = message
-            rows.append(row)
+        of_reference = comparison.reference.name == culprit and comparison.impl.name != culprit
+        rows += [row.but(skipped=None, error=None if of_reference else error,
+                         reference_error=error if of_reference else None)
+                 for row in skipped_rows(case, comparison, "", device_type=device_type)]
     return rows
+
+
+def died_rows(case: Case, comparisons: Sequence[Comparison], died: worker.Died, *, device_type: str) -> list[Row]:
+    """The rows of a case whose worker died: the implementation that was running is the one
+    that crashed (a reference that kills the process is a reference error)."""
+    return crash_rows(case, comparisons, died, culprit=died.impl, device_type=device_type)
+
+
+def isolation(comparisons: Sequence[Comparison], device: str, isolate: bool | None = None):
+    """A Worker for the code under test of `comparisons`, or a null context where nothing needs one.
+    isolate=None decides: a worker when any implementation is not a built-in (the harness's own
+    fp8_impl, torchao, emulations and nn.Linear run in this process, which saves a worker's
+    imports: seconds on a laptop)."""
+    if isolate is None:
+        isolate = any(impl.name not in BUILTINS for c in comparisons for impl in (c.impl, c.reference))
+    return worker.Worker(worker.torch_device_type(device)) if isolate else contextlib.nullcontext()
 
 
 def run_case_isolated(case: Case, comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",
-                      runner: "worker.Worker | None" = None, time_limit: float | None = None) -> list[dict]:
+                      runner: "worker.Worker | None" = None, time_limit: float | None = None) -> list[Row]:
     """run_case in a worker process (parity.worker): a death or a hang of the code under test is a
     finding for this case. Without a worker (`runner` None) it runs in this process."""
     if runner is None:
@@ -328,28 +383,25 @@ def run_case_isolated(case: Case, comparisons: Sequence[Comparison], *, device: 
     limit = time_limit or worker.default_time_limit(case.M, case.K, case.N, device_type)
     key = runner.remember(f"comparisons-{id(comparisons)}-{len(comparisons)}", list(comparisons))
     if isinstance(key, worker.Died):  # the implementations could not even be sent (an import that exits)
-        return worker.died_rows(case, comparisons, key, device_type=device_type)
+        return died_rows(case, comparisons, key, device_type=device_type)
     printed_before = runner.output_bytes()
     outcome = runner.call(_run_remembered, case, key, str(device), time_limit=limit)
     if isinstance(outcome, worker.Died):
-        return worker.died_rows(case, comparisons, outcome, device_type=device_type)
+        return died_rows(case, comparisons, outcome, device_type=device_type)
     printed = runner.output_bytes() - printed_before
     if printed > worker.PRINT_LIMIT_BYTES:  # only code under test prints: the built-ins are quiet
-        from parity.impls import BUILTINS
         for row in outcome:
-            if row["impl"] not in BUILTINS and row["tensor"] == "output" and row["step"] == 0 and not row["skipped"]:
-                problem = (f"the implementation printed {printed / 2**20:.1f} MiB during the case (nn.Linear prints "
-                           f"nothing; more than {worker.PRINT_LIMIT_BYTES // 1024} KiB floods a training log)")
-                row["contract"] = "; ".join(filter(None, [row["contract"], problem]))
+            if row.impl not in BUILTINS and row.tensor == "output" and row.step == 0 and not row.skipped:
+                row.contract += (ContractProblem(Breach.PRINTS, got=printed, want=worker.PRINT_LIMIT_BYTES),)
     return outcome
 
 
-def _run_remembered(case: Case, key: str, device: str) -> list[dict]:
+def _run_remembered(case: Case, key: str, device: str) -> list[Row]:
     return run_case(case, worker.recall(key), device=device)
 
 
 def run_case(case: Case, comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",
-             record: bool = True, timings: dict[str, float] | None = None) -> list[dict]:
+             record: bool = True, timings: dict[str, float] | None = None) -> list[Row]:
     """The rows of every comparison on one case (each implementation executed once).
 
     An implementation that cannot take the case (its recipe's alignment, a CUDA-only kernel)
@@ -398,11 +450,11 @@ def run_case(case: Case, comparisons: Sequence[Comparison], *, device: str | tor
 def run_cases(cases: Iterable[Case], comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",
               progress: Callable[[int], None] | None = None) -> pd.DataFrame:
     """All cases -> one tidy DataFrame, with the environment in `df.attrs["env"]`."""
-    records = []
+    rows = []
     for index, case in enumerate(cases):
-        records.extend(run_case(case, comparisons, device=device))
+        rows.extend(run_case(case, comparisons, device=device))
         if progress is not None:
             progress(index + 1)
-    frame = pd.DataFrame.from_records(records)
+    frame = rows_frame(rows)
     frame.attrs["env"] = environment(torch.device(device))
     return frame

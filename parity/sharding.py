@@ -10,12 +10,10 @@ without changing results.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
+import pandas as pd
 import torch
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 
 def xdist_worker_id(config) -> str | None:
@@ -60,7 +58,6 @@ def merge_frames(frames: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     The result keeps the first frame's attrs["env"], with env["gpus"] listing the devices
     merged; each row gets a column `gpu` naming the device that produced it.
     """
-    import pandas as pd
     if not frames:
         raise ValueError("merge_frames needs at least one frame")
     merged = pd.concat([frame.assign(gpu=gpu) for gpu, frame in frames.items()], ignore_index=True)

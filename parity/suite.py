@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from hypothesis import strategies as st
 
 from parity.cases import Case, parse_case_id
-from parity.check import CheckPlan
+from parity.check import CheckPlan, violation_lines
 from parity.data import CaseData, make_data
 from parity.impls import Impl, default_reference, load_impl
-from parity.metrics import describe_mismatch
 from parity.policy import Violation
-from parity.runner import run_case_isolated
-from parity.worker import Died, default_time_limit, isolation, torch_device_type
+from parity.rows import Row
+from parity.runner import isolation, run_case_isolated
+from parity.strategies import cases as case_strategy
+from parity.worker import Died, default_time_limit, torch_device_type
 
 # Largest K, N and M the strategies draw, per hypothesis profile (the GPU affords larger shapes).
 MAX_DIM = {"dev": 128, "ci": 128, "gpu": 1024, "thorough": 512}
@@ -42,7 +43,7 @@ class Suite:
     device: str = "cpu"
     case_id: str | None = None  # rerun exactly this case
     max_dim: int = 128
-    rows: list[dict] = field(default_factory=list)  # every metric row computed, for --fp8-report
+    rows: list[Row] = field(default_factory=list)  # every metric row computed, for --fp8-report
 
     @functools.cached_property
     def candidate(self) -> Impl:
@@ -62,10 +63,9 @@ class Suite:
         """Cases for a property: the one given with --case, else generated within `constraints`."""
         if self.case_id:
             return st.just(parse_case_id(self.case_id))
-        from parity.strategies import cases
         constraints.setdefault("max_dim", self.max_dim)
         constraints.setdefault("max_tokens", self.max_dim)
-        return cases(**constraints)
+        return case_strategy(**constraints)
 
     def data(self, case: Case) -> CaseData:
         return make_data(case, self.device)
@@ -81,7 +81,7 @@ class Suite:
         if runner is not None:
             runner.__exit__(None, None, None)
 
-    def run(self, case: Case, plan: CheckPlan | None = None) -> tuple[list[dict], list[Violation]]:
+    def run(self, case: Case, plan: CheckPlan | None = None) -> tuple[list[Row], list[Violation]]:
         """Rows and violations of the candidate against the plan's references on `case`."""
         plan = plan or self.plan
         rows = run_case_isolated(case, plan.comparisons, device=self.device, runner=self.runner)
@@ -101,6 +101,7 @@ class Suite:
     def rerun_command(self, case: Case) -> str:
         current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests/suite/test_properties.py").split(" ")[0]
         if current.startswith("::"):  # the shipped suite run from another repository: its node id has no path
+            # (imported here: parity.pytest_plugin imports this module; SHIPPED_SUITE is the plugin's)
             from parity.pytest_plugin import SHIPPED_SUITE
             current = f"{SHIPPED_SUITE}{current}"
         parts = ["python", "-m", "pytest", current, "--fp8-impl", self.impl_spec,
@@ -109,21 +110,13 @@ class Suite:
         return " ".join(shlex.quote(p) for p in parts)
 
     def fail(self, title: str, case: Case, evidence: list[str]) -> None:
-        lines = [f"{title}", f"case: {case.id}", *evidence, "", "Rerun exactly this case:",
+        lines = [f"{title}", f"case: {case.id}", *map(str, evidence), "", "Rerun exactly this case:",
                  f"  {self.rerun_command(case)}"]
         raise PropertyFailure("\n".join(lines))
 
-    def assert_no_violations(self, title: str, case: Case, rows: list[dict], violations: list[Violation]) -> None:
-        if not violations:
-            return
-        by_key = {(r["case_id"], r["reference"], r["tensor"], r["step"]): r for r in rows}
-        evidence = []
-        for violation in violations:
-            evidence.append(f"[{violation.metric}] {violation.full_message}")
-            row = by_key.get((violation.case_id, violation.reference, violation.tensor, violation.step))
-            if row is not None and violation.metric in ("bitwise", "accumulation_bound", "sqnr_db"):
-                evidence.append("  " + describe_mismatch(row, allowed=str(violation.allowed)).replace("\n", "\n  "))
-        self.fail(title, case, evidence)
+    def assert_no_violations(self, title: str, case: Case, rows: list[Row], violations: list[Violation]) -> None:
+        if violations:
+            self.fail(title, case, violation_lines(violations, rows, full=True))
 
 
 SUITE = Suite()

@@ -10,20 +10,24 @@ preset gives the same cases on every run and machine.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import pandas as pd
 import torch
+import torch.multiprocessing as mp
 from hypothesis import HealthCheck, Phase, given, settings
 
 from parity.cases import Case, Dist, Layout, edge_cases
 from parity.env import environment
 from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
 from parity.policy import Policy, default_policy
-from parity.runner import Comparison, run_case_isolated
-from parity.worker import isolation
+from parity.rows import frame as rows_frame
+from parity.rows import rows_from_frame
+from parity.runner import Comparison, isolation, run_case_isolated
+from parity.sharding import merge_frames, shard
 from parity.strategies import cases as case_strategy
 
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16")
@@ -174,44 +178,45 @@ class SweepInterrupted(Exception):
         self.frame, self.cause = frame, cause
 
 
+CHECKPOINT_SECONDS = 15.0  # how often run_sweep hands its rows so far to `checkpoint`
+
+
 def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[Comparison], *,
               device: str, progress: Callable[..., None] | None = None,
               isolate: bool | None = None,
               time_limit: float | None = None, done: pd.DataFrame | None = None,
-              checkpoint: Callable[[pd.DataFrame], None] | None = None,
-              checkpoint_seconds: float = 15.0) -> pd.DataFrame:
+              checkpoint: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
     """All cases -> one tidy DataFrame (column `shape` holds the named shape or 'sampled').
 
     Each case runs in a worker process (`isolate`; by default when any implementation is not a
-    built-in: parity.worker.isolation) within `time_limit` seconds, so
+    built-in: parity.runner.isolation) within `time_limit` seconds, so
     an implementation that dies or hangs is a finding of its case and the sweep goes on. `done`
     holds the rows of an interrupted sweep: its cases are not run again. `checkpoint(frame)` gets
-    the rows so far every `checkpoint_seconds`. A Ctrl-C or SIGTERM stops the sweep at once (the
+    the rows so far every CHECKPOINT_SECONDS. A Ctrl-C or SIGTERM stops the sweep at once (the
     running case is dropped) and raises SweepInterrupted with the rows of the finished cases.
     `progress(done, total, elapsed, work=(work_done, work_planned))` follows every case: cases
     done and planned (a resumed sweep's included), seconds, and the work of this run's cases
     (case_work) done and planned, from which parity.cli.Progress estimates the time left.
     The frame's attrs: env, done and planned (cases)."""
-    records = [] if done is None else done.to_dict("records")
-    finished = {(row["shape"], row["case_id"]) for row in records}
+    rows = [] if done is None else rows_from_frame(done)
+    finished = {(row.shape, row.case_id) for row in rows}
     todo = [(label, case) for label, case in labelled_cases if (label, case.id) not in finished]
     work_planned, work_done = sum(case_work(case) for _, case in todo), 0
     start = last_checkpoint = time.perf_counter()
 
     def frame_of(count: int) -> pd.DataFrame:
-        frame = pd.DataFrame.from_records(records)
+        frame = rows_frame(rows)
         frame.attrs["env"] = environment(device)
         frame.attrs["env"]["seconds"] = round(time.perf_counter() - start, 1)
         frame.attrs.update(done=len(labelled_cases) - len(todo) + count, planned=len(labelled_cases))
         return frame
 
-    count = 0  # cases of `todo` whose rows are all in `records`
+    count = 0  # cases of `todo` whose rows are all in `rows`
     try:
         with isolation(comparisons, device, isolate) as runner:
             for label, case in todo:
-                rows = run_case_isolated(case, comparisons, device=device, runner=runner, time_limit=time_limit)
-                rows = [{**row, "shape": label} for row in rows]
-                records.extend(rows)  # one step: an interrupt never leaves half a case
+                ran = run_case_isolated(case, comparisons, device=device, runner=runner, time_limit=time_limit)
+                rows.extend(row.but(shape=label) for row in ran)  # one step: an interrupt never leaves half a case
                 count += 1
                 work_done += case_work(case)
                 if device == "cuda" and runner is None:
@@ -219,7 +224,7 @@ def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[
                 if progress is not None:
                     progress(len(labelled_cases) - len(todo) + count, len(labelled_cases), time.perf_counter() - start,
                              work=(work_done, work_planned))
-                if checkpoint is not None and time.perf_counter() - last_checkpoint > checkpoint_seconds:
+                if checkpoint is not None and time.perf_counter() - last_checkpoint > CHECKPOINT_SECONDS:
                     checkpoint(frame_of(count))
                     last_checkpoint = time.perf_counter()
     except KeyboardInterrupt as cause:
@@ -254,7 +259,6 @@ def accuracy_by_recipe(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _sweep_worker(index: int, devices: list[str], labelled_cases, impl_names, out_dir: str) -> None:
     """One process of a sharded sweep: its share of the cases on its device, to a pickle."""
-    from parity.sharding import shard
     device = devices[index]
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -271,11 +275,6 @@ def run_sweep_sharded(labelled_cases: Sequence[tuple[str, Case]], impl_names: Se
     Implementations travel by name (a function loaded from a file does not pickle), and each
     worker builds its own; the merged table has a column `gpu` naming the device of each row.
     """
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from parity.sharding import merge_frames
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_sweep_worker, args=(list(devices), list(labelled_cases), list(impl_names), out_dir),
                            nprocs=len(devices), join=True, start_method="spawn")

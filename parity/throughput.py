@@ -18,6 +18,9 @@ import torch
 import torch.multiprocessing as mp
 
 from parity.cases import Case, Dist, Layout
+from parity.check import CheckPlan
+from parity.impls import load_impl
+from parity.runner import run_case
 
 DIMS = (16, 32, 48, 64, 96, 128)
 
@@ -31,9 +34,6 @@ def small_cases(count: int) -> list[Case]:
 
 
 def _run_share(cases, impl: str, against: str, device: str, timings: dict | None = None) -> float:
-    from parity.check import CheckPlan
-    from parity.impls import load_impl
-    from parity.runner import run_case
     plan = CheckPlan.make(load_impl(impl), load_impl(against))
     for case in cases[:3]:  # warm-up: first calls pay for lazy initialization
         plan.judge(run_case(case, plan.comparisons, device=device))
@@ -77,7 +77,8 @@ def measure(*, device: str, workers: int = 1, cases: int = 300, impl: str = "fp8
         seconds = time.perf_counter() - start
         for p in processes:
             p.join()
-        assert sum(n for _, n, _ in done) == len(all_cases)
+        if sum(n for _, n, _ in done) != len(all_cases):
+            raise RuntimeError(f"throughput: the workers ran {sum(n for _, n, _ in done)} of {len(all_cases)} cases")
     total = sum(timings.values())
     return dict(device=device, workers=workers, cases=len(all_cases), seconds=round(seconds, 3),
                 cases_per_second=round(len(all_cases) / seconds, 1),

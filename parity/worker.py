@@ -23,6 +23,7 @@ import contextlib
 import math
 import multiprocessing as mp
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -30,7 +31,10 @@ import types
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from multiprocessing import forkserver
+from typing import Any, Callable
+
+from parity.vocabulary import DIED_PREFIX  # (an enum module: no torch, as this module must be)
 
 PHASE_BYTES = 512
 SEPARATOR = "\x1f"  # between the implementation's name and its phase in the shared buffer
@@ -54,7 +58,15 @@ class Died:
     def message(self) -> str:
         where = f" during {self.phase}" if self.phase else ""
         printed = f" (its last output: {self.output!r})" if self.output else ""
-        return f"the implementation {self.what}{where}{printed}"
+        return f"{DIED_PREFIX} {self.what}{where}{printed}"
+
+    def __str__(self) -> str:
+        """As the results table's error column holds it."""
+        return self.message
+
+    @property
+    def crash_message(self) -> str:
+        return self.message
 
 
 class WorkerError(RuntimeError):
@@ -118,7 +130,6 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: boo
     os.dup2(out, 1)
     os.dup2(out, 2)
     if memory_bytes:
-        import resource
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     if preload:  # a spawned (CUDA) worker: what the CPU fork server imports, and the CUDA context, before any task
         _preload_cuda()
@@ -250,21 +261,9 @@ def warm_up(device_type: str = "cpu", workers: int = 1) -> None:
     if device_type == "cuda":
         prestart("cuda", workers)
         return
-    from multiprocessing import forkserver
     _context("cpu")
     with _main_not_rerun():
         forkserver.ensure_running()
-
-
-def isolation(comparisons: Sequence, device: str, isolate: bool | None = None):
-    """A Worker for the code under test of `comparisons`, or a null context where nothing needs one.
-    isolate=None decides: a worker when any implementation is not a built-in (the harness's own
-    fp8_impl, torchao, emulations and nn.Linear run in this process, which saves a worker's
-    imports: seconds on a laptop)."""
-    from parity.impls import BUILTINS
-    if isolate is None:
-        isolate = any(impl.name not in BUILTINS for c in comparisons for impl in (c.impl, c.reference))
-    return Worker(torch_device_type(device)) if isolate else contextlib.nullcontext()
 
 
 def torch_device_type(device) -> str:
@@ -415,10 +414,3 @@ class Worker:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def died_rows(case, comparisons: Sequence, died: Died, *, device_type: str) -> list[dict]:
-    """The rows of a case whose worker died: the implementation that was running is the one
-    that crashed (a reference that kills the process is a reference error)."""
-    from parity.runner import crash_rows
-    return crash_rows(case, comparisons, died.message, culprit=died.impl, device_type=device_type)

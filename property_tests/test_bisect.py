@@ -56,13 +56,13 @@ def test_a_fast_accumulation_flag_is_all_a_cpu_can_show():
     """A CPU ignores use_fast_accum: asked for where the recipe does not, the flag in the recorded call
     is the only failure there, marked as one the GPU's numbers show (bisect on a GPU then names the
     trigger "only on the GPU")."""
-    from parity.bisect import _is_gpu_lint
+    from parity.localization import is_gpu_lint as _is_gpu_lint
     mutant = next(m for m in MUTANTS if m.name == "grad_input_fast_accum")
     result = run_check(plan_for(mutant), max_examples=10)
     assert result.verdict == "fail" and result.violations
     assert all(_is_gpu_lint(v) for v in result.violations), [v.full_message for v in result.violations]
     # the same rows from a GPU: there the flag is a finding like any other (its numbers may differ)
-    on_gpu = plan_for(mutant).judge([{**row, "device": "cuda"} for row in result.rows])
+    on_gpu = plan_for(mutant).judge([row.but(device="cuda") for row in result.rows])
     assert on_gpu and not any(_is_gpu_lint(v) for v in on_gpu), [v.full_message for v in on_gpu]
 
 

@@ -31,7 +31,7 @@ def test_fp8_impl_passes():
     result = run_check(plan("fp8_impl"), max_examples=15)
     assert result.verdict == "pass", render(result)
     assert result.cases_run >= 15 and result.plan.policy is Policy.BITWISE
-    assert {r["reference"] for r in result.rows} == {"torchao:tensorwise", "emulated:tensorwise"}
+    assert {r.reference for r in result.rows} == {"torchao:tensorwise", "emulated:tensorwise"}
 
 
 @pytest.mark.parametrize(("mutant", "tensor", "metric"), [

@@ -32,8 +32,8 @@ def record(impl_name: str, case: Case) -> list:
 @pytest.mark.parametrize("impl", ["fp8_impl", "torchao:tensorwise"])
 def test_recorder_sees_the_three_gemms(impl):
     calls = record(impl, Case(lead=(32,), K=64, N=48))
-    assert sorted(c.gemm for c in calls) == ["grad_input", "grad_weight", "output"]
-    by_gemm = {c.gemm: c for c in calls}
+    assert sorted(c.gemms for c in calls) == [("grad_input",), ("grad_weight",), ("output",)]
+    by_gemm = {c.label: c for c in calls}
     assert by_gemm["output"].use_fast_accum and not by_gemm["grad_input"].use_fast_accum
     assert (by_gemm["output"].a_dtype, by_gemm["output"].b_dtype) == ("float8_e4m3fn", "float8_e4m3fn")
     assert by_gemm["grad_weight"].a_dtype == "float8_e5m2"
@@ -122,7 +122,7 @@ def test_float8_linear_contract_on_nd_input():
 def _call(scaling, scale_a, scale_b, *, M=256, K=384, N=256, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
           fast=False) -> ScaledMMCall:
     """A recorded call as the recorder writes it: scale_a/scale_b are (shape, strides)."""
-    return ScaledMMCall("forward", "output", (M, K), (K, 1), a_dtype, 0, (K, N), (1, K), b_dtype, 0,
+    return ScaledMMCall("forward", ("output",), (M, K), (K, 1), a_dtype, 0, (K, N), (1, K), b_dtype, 0,
                         (scale_a[0], "float32"), (scale_b[0], "float32"), None, "bfloat16", fast,
                         op="scaled_mm_v2", scaling=scaling, scale_strides=(scale_a[1], scale_b[1]))
 
@@ -171,7 +171,7 @@ def test_fp8_impl_rowwise_calls_keep_the_gpu_contract(recipe):
     calls = record(f"fp8_impl:{recipe}", Case(lead=(32,), K=64, N=48))
     assert len(calls) == (3 if recipe == "rowwise" else 2)  # rowwise_with_gw_hp: grad_weight in bf16
     assert all(sm90_violations(c) == [] for c in calls), [sm90_violations(c) for c in calls]
-    by_gemm = {c.gemm: c for c in calls}
+    by_gemm = {c.label: c for c in calls}
     assert by_gemm["output"].scaling == ("RowWise", "RowWise") and by_gemm["output"].use_fast_accum
     assert by_gemm["grad_input"].scaling == ("TensorWise", "TensorWise")  # unit scales
 

@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from parity import cpu_gemm, mistakes, oracles
-from parity.bisect import _is_gpu_lint, localize
+from parity.bisect import localize
+from parity.localization import is_gpu_lint as _is_gpu_lint
 from parity.cases import Case
 from parity.check import CheckPlan, run_check
 from parity.data import make_data
 from parity.diagnose import _closeness, explain_operand, explain_result
+from parity.findings import labels
 from parity.impls import load_impl
-from parity.mistakes import OperandSources, Stage, operand_hypotheses, quantize_mistaken
+from parity.mistakes import OperandSources, OperandStage, operand_hypotheses, quantize_mistaken
 from parity.recipes import RECIPES, Cast, Scaling
 from parity.vocabulary import BugClass
 
@@ -538,7 +540,7 @@ def test_a_crash_unless_two_dims_are_equal_is_diagnosed_where_it_runs(user_file)
     result = bisect(user_file, "weight_read_transposed", case=Case(lead=(32,), K=16, N=48))  # raises here
     assert (result.first, result.category, result.operand) == ("grad_input", "transpose", "weight"), \
         (result.category, result.evidence)
-    assert result.crash and "only when K != N" in result.crash["trigger"], result.crash
+    assert result.crash and "only when K != N" in labels(result.crash.triggers), result.crash
 
 
 def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, monkeypatch):
@@ -555,7 +557,7 @@ def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, mo
     result = bisect(user_file, "grad_weight_column_major_a", isolate=False)
     assert (result.first, result.category, result.operand) == ("grad_weight", "layout", "grad_output"), \
         (result.category, result.evidence)
-    assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash["message"], result.crash
+    assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash.message, result.crash
 
 
 @pytest.mark.parametrize("name", ["rowwise_output_without_fast_accum", "rowwise_grad_gemms_fast"])
@@ -662,7 +664,7 @@ def test_a_crash_does_not_hide_the_numbers_before_it(user_file):
     the forward's, and the crash is reported beside it."""
     result = bisect(user_file, "wrong_then_crash")
     assert (result.category, result.first, result.operand) == ("fp8_dtype", "output", "weight"), result.evidence
-    assert result.crash is not None and "mat1 and mat2 shapes" in result.crash["message"]
+    assert result.crash is not None and "mat1 and mat2 shapes" in result.crash.message
 
 
 def test_a_gemm_computed_as_its_transpose_is_not_an_operand_bug(user_file):
@@ -735,7 +737,7 @@ def test_the_hypothesis_space_is_data(recipe):
         for hypotheses in (space, mistakes.high_precision_hypotheses()):
             for h in hypotheses:
                 assert isinstance(h, mistakes.Hypothesis) and h.description and isinstance(h.bug_class, BugClass)
-                assert isinstance(h.stage, Stage) and all(isinstance(stage, Stage) for stage in h.changes)
+                assert isinstance(h.stage, OperandStage) and all(isinstance(stage, OperandStage) for stage in h.changes)
                 assert h.transform is not None or h.source != "same" or h.amax_source != "same", h.description
             assert len({h.description for h in hypotheses}) == len(hypotheses)
         reciprocal = [h for h in space if h is mistakes.RECIPROCAL_SCALES_HYPOTHESIS]

@@ -345,9 +345,9 @@ def test_a_cuda_error_is_a_finding_of_its_case_and_later_cases_still_run():
     with Worker("cuda") as runner:
         rows = {case.lead[0]: run_case_isolated(case, plan.comparisons, device="cuda", runner=runner, time_limit=120)
                 for case in cases}
-    faulted = {row["error"] for row in rows[32] if row["impl"] == plan.candidate.name}
+    faulted = {str(row.error) for row in rows[32] if row.impl == plan.candidate.name}
     assert len(faulted) == 1 and re.search(r"CUDA context unusable .*(device-side assert|CUDA error)",
                                            faulted.pop() or "")
     for M in (16, 48):
-        assert not any(row["error"] or row["reference_error"] for row in rows[M]), rows[M]
+        assert not any(row.error or row.reference_error for row in rows[M]), rows[M]
         assert plan.judge(rows[M]) == [], plan.judge(rows[M])

@@ -151,8 +151,8 @@ def test_the_exact_emulation_runs_once_per_case_for_any_number_of_impls(monkeypa
     rows = run_case(case, all_pairs([load_impl("fp8_impl"), load_impl("torchao:tensorwise"), load_impl("bf16")],
                                     [load_impl("emulated")]))
     assert len(calls) == case.steps
-    bounded = [row for row in rows if row["impl"] != "bf16" and row["tensor"] != "grad_bias"]
-    assert bounded and all(row["bound_ratio"] <= 1 for row in bounded)  # the shared emulation still bounds them
+    bounded = [row for row in rows if row.impl != "bf16" and row.tensor != "grad_bias"]
+    assert bounded and all(row.bound_ratio <= 1 for row in bounded)  # the shared emulation still bounds them
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "blockwise"])

@@ -16,6 +16,7 @@ from matplotlib.image import imread
 from parity.cases import Case
 from parity.impls import load_impl
 from parity import report as report_module
+from parity import report_diff, report_plots
 from parity.bench import COLUMNS as BENCH_COLUMNS
 from parity.report import (ADDED_LATER, KEY, ResultsError, diff_results, read_results, render_diff, summary_tables,
                            verdict, write_report)
@@ -400,7 +401,7 @@ def test_identical_implementations_stay_distinguishable_in_the_sqnr_plot(results
     from matplotlib.figure import Figure
     twin = results[results["impl"] == "fp8_impl"].assign(impl="torchao:tensorwise")
     fig = Figure()
-    report_module._plot_sqnr_vs_k(fig, pd.concat([results, twin], ignore_index=True))
+    report_plots._plot_sqnr_vs_k(fig, pd.concat([results, twin], ignore_index=True))
     labels = [text.get_text() for text in fig.legends[0].texts]
     assert "fp8_impl" in labels and "torchao:tensorwise (identical to fp8_impl)" in labels
     assert not any("identical" in label for label in labels if label.startswith(("fp8_impl", "bf16")))
@@ -413,7 +414,7 @@ def test_identical_implementations_stay_distinguishable_in_the_sqnr_plot(results
 def test_heatmap_cells_show_how_many_cases_they_hold(results):
     from matplotlib.figure import Figure
     fig = Figure()
-    report_module._plot_parity_heatmap(fig, results, "fp8_impl")
+    report_plots._plot_parity_heatmap(fig, results, "fp8_impl")
     cells = [text.get_text() for text in fig.axes[0].texts]
     assert cells and all(re.fullmatch(r"\d+(\.\d)?% n=\d+", cell) for cell in cells), cells
     assert sum(int(cell.split("n=")[1]) for cell in cells) == results["case_id"].nunique()
@@ -450,7 +451,7 @@ def _table_lines(text: str) -> list[str]:
 
 
 def test_diff_lists_a_bounded_number_of_moves_largest_first(results, monkeypatch):
-    monkeypatch.setattr(report_module, "DIFF_ROWS_SHOWN", 1)
+    monkeypatch.setattr(report_diff, "DIFF_ROWS_SHOWN", 1)
     b = _moves(results, [-1.0, -5.0, -3.0, -2.0, -4.0, -0.5]).iloc[3:]  # the first three moves go: only in A
     text = render_diff(diff_results(results, b))
     lines = text.splitlines()

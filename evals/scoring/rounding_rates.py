@@ -59,7 +59,7 @@ def main():
                 plan = plans[spec]
                 case = Case.from_id(f"M{M}K{K}N{N}|in:{dt}:C|w:{dt}:C|go:C|{dist}|seed{seed}")
                 rows = run_case(case, plan.comparisons, device=a.device)
-                for r in rows:
+                for r in (row.record() for row in rows):
                     if r["policy"] == "accumulation" and not r["skipped"]:
                         f.write(json.dumps(dict(impl=spec, case=case.id, tensor=r["tensor"], n_diff=r["n_diff"],
                                                 numel=r["numel"], bound_ratio=r["bound_ratio"], sqnr=r["sqnr_db"],

@@ -1,0 +1,276 @@
+"""What each recorded _scaled_mm call was handed, against what its recipe's oracle hands the same GEMM.
+
+For every FP8 GEMM of a recipe the exact oracle (parity.oracles) knows the operands the GEMM
+must receive: the fp8 values of A and B and their inverse scales. A recorded _scaled_mm call
+(parity.contract, with its tensors kept) is compared with that, stage by stage, per operand:
+
+    fp8_dtype   the operand's fp8 format
+    scale       the inverse scale of every element (tensor, row, tile or block scales alike)
+    bytes       the fp8 values (logical values: a transposed copy is the same operand)
+    fast_accum  the use_fast_accum flag (a CPU ignores it; the H100 does not)
+
+The first stage that differs names the operand and, through the hypothesis of parity.mistakes that
+reproduces the recorded operand exactly, the bug class; each difference is a StageFinding. What the
+implementation does with a GEMM's result, and GEMMs without a call, are parity.diagnose's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Sequence
+
+import torch
+
+from parity.cases import Case
+from parity.contract import ScaledMMCall
+from parity.data import StepData
+from parity.findings import Finding
+from parity.mistakes import Hypothesis, OperandSources, operand_hypotheses, quantize_mistaken, strides_ignored
+from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe
+from parity.vocabulary import BugClass, Kind, Operand, Stage, Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageFinding(Finding):
+    """One difference between what a GEMM got and what its recipe's oracle gives it, at one stage
+    (`category`: the bug class the stage's explanation names; None when unexplained)."""
+
+    kind: Kind = Kind.STAGE
+    message: str
+    hypothesis: Hypothesis | None = None  # the mistake that explains it, when one of the space does
+    problems: tuple = ()  # the contract problems it is (parity.contract.ContractProblem), at the contract stage
+
+    def __str__(self) -> str:
+        return f"{self.gemm} GEMM (step {self.step}): {self.message}"
+
+
+def stage_finding(step: int, gemm: str, operand: str, stage: str, message: str, category: str | None = None,
+                  **more) -> StageFinding:
+    """A StageFinding from the names the diagnosis works with (category "" or None: unexplained)."""
+    return StageFinding(step=step, tensor=Tensor(gemm), operand=Operand(operand), stage=Stage(stage),
+                        category=BugClass(category) if category else None, message=message, **more)
+
+
+class OperandExplanation(NamedTuple):
+    """What explain_operand says of an operand: the first stage that differs, the bug class of the
+    mistake that explains it ("" when none does), the sentence, and that mistake."""
+
+    stage: str
+    category: str
+    message: str
+    hypothesis: Hypothesis | None = None
+
+
+# ---- one operand of one recorded call ------------------------------------------------------------
+
+def _expanded(scale: torch.Tensor, rows: int, inner: int) -> torch.Tensor:
+    """Scales [rows / r, inner / i] repeated to one per element [rows, inner]."""
+    return scale.repeat_interleave(rows // scale.shape[0], 0).repeat_interleave(inner // scale.shape[1], 1)
+
+
+def _call_scales(kind: str, scale: torch.Tensor, role: str, rows: int, inner: int) -> torch.Tensor | None:
+    """The inverse scale of each element of an operand laid out [rows, inner] (A, or B.T), from a
+    recorded call's scale tensor of scaling `kind`; None when the layout is not understood."""
+    s = scale.detach().to(torch.float64).cpu()
+    try:
+        if kind == "TensorWise" or s.numel() == 1:
+            return s.reshape(1, 1).expand(rows, inner)
+        if kind == "RowWise":  # A: [rows, 1]; B: [1, cols]
+            return (s.reshape(rows, 1) if role == "a" else s.reshape(1, rows).t()).expand(rows, inner)
+        blocks = -(-inner // BLOCK)
+        if kind == "BlockWise1x128":  # A: [rows, K/128]; B: [cols, K/128] (cuBLASLt's layout)
+            return _expanded(s[:, :blocks], rows, blocks * BLOCK)[:, :inner]
+        if kind == "BlockWise128x128" and role == "b":  # [K/128 padded to 4, cols/128]
+            return _expanded(s[:blocks].t(), -(-rows // BLOCK) * BLOCK, blocks * BLOCK)[:rows, :inner]
+    except RuntimeError:  # a shape the kind does not allow: the contract rules report it
+        return None
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple, float, float]:
+    differ = ~((got == want) | (got.isnan() & want.isnan()))
+    count = int(differ.sum())
+    if not count:
+        return 0, (), 0.0, 0.0
+    index = tuple(int(i) for i in differ.nonzero()[0])
+    return count, index, float(got[index]), float(want[index])
+
+
+def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cast, recipe: Recipe,
+                    sources: OperandSources, gemm: str, role: str) -> OperandExplanation | None:
+    """(stage, category, message, hypothesis) for an operand a GEMM got (fp8 values and per-element inverse
+    scales, laid out [rows, inner]) that is not the recipe's, or None when it is."""
+    rows, inner = values.shape
+    correct = quantize_mistaken(sources.view(gemm, role, "same"), cast, recipe)
+    want_scales = _expanded(correct.inv_scale.cpu(), rows, inner)
+    values_ok = _same(values, correct.values.cpu())
+    scales_ok = scales is not None and _same(scales, want_scales)
+    if values_ok and (scales_ok or scales is None):  # no scales to compare: the values decide
+        return None
+    values_only = None  # the first mistake whose fp8 values these are, with the recipe's scales handed over
+    for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
+        if hypothesis.keeps_high_precision:  # these values are fp8
+            continue
+        q = sources.quantized(hypothesis, gemm, role, cast, recipe, (rows, inner))
+        # the values came in the recipe's format (compare_call checks it first): a mistake that ends in
+        # another format is not theirs, even where its values coincide with theirs
+        if q is None or q.fp8_dtype != cast.dtype or not _same(values, q.values.cpu()):
+            continue
+        if scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows, inner)):
+            stage = "scale" if hypothesis.category == "scale" or hypothesis.amax_source != "same" else "bytes"
+            return OperandExplanation(stage, hypothesis.category, hypothesis.description, hypothesis)
+        values_only = values_only or hypothesis
+    if scales is None:
+        return OperandExplanation("scale", "scale", "its scale tensor cannot be read as the recipe's scales (see the "
+                                           "contract rules)")
+    if scales_ok and values_only is not None:
+        return OperandExplanation("bytes", values_only.category, f"its fp8 values are those of "
+                                  f"{values_only.description}, while the GEMM is handed the recipe's scales",
+                                  values_only)
+    if not scales_ok:
+        count, index, got, want = _first_difference(scales, want_scales)
+        return OperandExplanation("scale", "", f"its inverse scale differs from the oracle's for {count} of "
+                                  f"{scales.numel()} elements (first at {list(index)}: {got:.6g}, oracle {want:.6g}, "
+                                  f"ratio {got / want if want else float('nan'):.6g}); no single mistake reproduces it")
+    count, index, got, want = _first_difference(values, correct.values.cpu())
+    return OperandExplanation("bytes", "", f"its scales are the recipe's but its fp8 values differ in {count} of "
+                              f"{values.numel()} elements (first at {list(index)}: {got:g}, oracle {want:g}); no "
+                              f"single mistake reproduces them")
+
+
+def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: OperandSources) -> list[StageFinding]:
+    """How a recorded call for the GEMM `spec` differs from the recipe's, stage by stage."""
+    out: list[StageFinding] = []
+    data = call.data
+    if data is None:
+        return out
+    # torchao's form of an axis-scaled GEMM without fast accumulation: unit scales in the call,
+    # the row and column scales multiplied into the result afterwards (checked by the results). Either
+    # flag admits it: a GEMM that asks for no fast accumulation where the recipe wants it takes this
+    # form too, and so does one the recipe runs in this form that asks for fast accumulation; each
+    # then differs in that flag alone (which a CPU ignores: "only on the GPU")
+    unit_scales = (data.scale_a.numel() == 1 and data.scale_b.numel() == 1
+                   and float(data.scale_a.reshape(())) == 1.0 and float(data.scale_b.reshape(())) == 1.0)
+    unit_form = (recipe.unit_scales_without_fast_accum and spec.kind == "RowWise" and unit_scales
+                 and not (call.use_fast_accum and spec.fast_accum))
+    operands_differ = scales_elsewhere = False
+    b_as_rows = data.b.t() if data.b.dim() == 2 else data.b
+    swapped = _computes_the_transpose(call, b_as_rows, spec, recipe, sources)
+    for role, operand, tensor, cast in () if swapped else (("a", spec.operands[0], data.a, spec.a),
+                                                           ("b", spec.operands[1], b_as_rows, spec.b)):
+        side = "A" if role == "a" else "B"
+        want_dtype = FP8_DTYPES[cast.fp8]
+        if tensor.dtype != want_dtype:
+            name = str(tensor.dtype).replace("torch.", "")
+            category = "fp8_dtype" if tensor.dtype in FP8_DTYPES.values() else "precision"
+            out.append(stage_finding(call.step, spec.name, operand, "fp8_dtype", f"{side} ({operand}) is {name}; "
+                                     f"the {recipe.name} recipe casts it to {cast.fp8}", category))
+            continue
+        want_shape = tuple(sources.view(spec.name, role, "same").shape)
+        if tuple(tensor.shape) != want_shape:
+            out.append(stage_finding(call.step, spec.name, operand, "bytes", f"{side} ({operand}) has shape "
+                                     f"{list(tensor.shape)} where the {recipe.name} oracle's operand is "
+                                     f"{list(want_shape)}", "transpose" if tensor.dim() == 2 else "crash"))
+            continue
+        rows, inner = tensor.shape
+        kind = call.scaling[0 if role == "a" else 1] if call.scaling else "?"
+        scales = None if unit_form else _call_scales(kind, data.scale_a if role == "a" else data.scale_b, role,
+                                                     rows, inner)
+        values = tensor.detach().to(torch.float64).cpu()
+        found = explain_operand(values, scales, cast, recipe, sources, spec.name, role)
+        if found is not None and unit_scales and not unit_form and \
+                explain_operand(values, None, cast, recipe, sources, spec.name, role) is None:
+            scales_elsewhere = True  # the recipe's bytes with unit scales: the scales live outside the call
+            continue
+        if found is not None:
+            operands_differ = True
+            out.append(stage_finding(call.step, spec.name, operand, found.stage, f"{side} ({operand}): {found.message}",
+                                     found.category, hypothesis=found.hypothesis))
+    if scales_elsewhere and not operands_differ:  # the bytes are the recipe's, the call's scales are ones
+        out.append(stage_finding(call.step, spec.name, "result", "unit_scales",
+                                 "the call's scales are all ones while its fp8 operands are the recipe's: the scales "
+                                 "are applied to the result after the GEMM (a second rounding), or not at all"))
+    if call.use_fast_accum != spec.fast_accum:
+        out.append(stage_finding(call.step, spec.name, "result", "fast_accum",
+                                 f"use_fast_accum={call.use_fast_accum} where the {recipe.name} recipe says "
+                                 f"{spec.fast_accum}", "accumulation"))
+    return out
+
+
+def _computes_the_transpose(call: ScaledMMCall, b_as_rows: torch.Tensor, spec: Gemm, recipe: Recipe,
+                            sources: OperandSources) -> bool:
+    """Whether the call computes the GEMM's transpose, B^T A^T: its A holds exactly the oracle's B
+    and its B the oracle's A (fp8 values and scales, each as the recipe casts it). That is a
+    legitimate formulation, not an operand mistake; the result comes back transposed, and what
+    the implementation makes of that is judged on the result (its strides: the contract)."""
+    data = call.data
+    for call_role, tensor, scale, oracle_role, cast in (("a", data.a, data.scale_a, "b", spec.b),
+                                                        ("b", b_as_rows, data.scale_b, "a", spec.a)):
+        want = sources.view(spec.name, oracle_role, "same")
+        if tensor.dim() != 2 or tensor.dtype != FP8_DTYPES[cast.fp8] or want is None \
+                or tuple(tensor.shape) != tuple(want.shape):
+            return False
+        rows, inner = tensor.shape
+        kind = call.scaling[0 if call_role == "a" else 1] if call.scaling else "?"
+        scales = _call_scales(kind, scale, call_role, rows, inner)
+        correct = quantize_mistaken(want, cast, recipe)
+        if correct is None or scales is None or not _same(tensor.detach().to(torch.float64).cpu(),
+                                                          correct.values.cpu()) \
+                or not _same(scales, _expanded(correct.inv_scale.cpu(), rows, inner)):
+            return False
+    return True
+
+
+def assign_calls(calls: Sequence[ScaledMMCall], step: int, recipe: Recipe | None = None,
+                 sources: OperandSources | None = None) -> dict[str, list[ScaledMMCall]]:
+    """The calls of one step by GEMM. A call whose shapes fit two GEMMs (M, K, N not distinct) goes
+    to the one whose oracle it matches best (fewest differing stages; with no recipe: the first
+    without a call yet, in the order the backward runs them)."""
+    by_gemm: dict[str, list[ScaledMMCall]] = {g: [] for g in GEMMS}
+    for call in (c for c in calls if c.step == step):
+        options = [g for g in call.gemms if g in by_gemm]
+        free = [g for g in options if not by_gemm[g]] or options
+        if len(free) > 1 and recipe is not None and sources is not None:
+            free = sorted(free, key=lambda g: 99 if recipe.gemm(g).high_precision else
+                          len(compare_call(call, recipe.gemm(g), recipe, sources)))
+        if free:
+            by_gemm[free[0]].append(call)
+    return by_gemm
+
+
+def resolve_calls(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], recipe: Recipe,
+                  case: Case) -> list[ScaledMMCall]:
+    """The calls, each naming the one GEMM assign_calls gives it (the recorder names every GEMM a call's
+    shapes fit: two where M, K, N are not distinct)."""
+    resolved = list(calls)
+    for step_index, step in enumerate(steps):
+        sources = OperandSources(step, steps[step_index - 1] if step_index else None, strides_ignored(step, case))
+        for gemm_name, recorded in assign_calls(calls, step_index, recipe, sources).items():
+            for call in recorded:
+                index = next(i for i, c in enumerate(calls) if c is call)
+                resolved[index] = replace(call, gemms=(gemm_name,))
+    return resolved
+
+
+def call_findings(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], recipe: Recipe,
+                  case: Case) -> list[StageFinding]:
+    """Every difference between the recorded calls and the recipe's, for every step of the case.
+    GEMMs without a recorded call are not compared here (see diagnose_behaviour)."""
+    findings: list[StageFinding] = []
+    for step_index, step in enumerate(steps):
+        sources = OperandSources(step, steps[step_index - 1] if step_index else None, strides_ignored(step, case))
+        for gemm_name, recorded in assign_calls(calls, step_index, recipe, sources).items():
+            spec = recipe.gemm(gemm_name)
+            if spec.high_precision and recorded:
+                findings.append(stage_finding(step_index, gemm_name, "call", "precision",
+                                              f"an FP8 _scaled_mm call runs a GEMM the {recipe.name} recipe computes "
+                                              f"in high precision", "precision"))
+            elif recorded:
+                findings += compare_call(recorded[0], spec, recipe, sources)
+    return findings
+
+

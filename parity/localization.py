@@ -1,0 +1,129 @@
+"""What `fp8-parity bisect` concludes (Localization) and what it reads of one case's violations (Outcome).
+
+parity.bisect runs the localization; parity.triggers finds the conditions a failure needs,
+parity.case_findings what each GEMM of the case was handed and gave, parity.classification the bug
+class and operand, parity.evidence the lines that back it. They share the types here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parity.cases import Case
+from parity.check import CheckPlan
+from parity.env import environment
+from parity.findings import Finding, Trigger, labels
+from parity.policy import Violation
+from parity.recipes import GEMMS
+from parity.vocabulary import BugClass, Cause, Kind, Method, Operand, Stage, Verdict
+
+NUMERIC_KINDS = (Kind.BITWISE, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB, Kind.PAIRED_SQNR_DB, Kind.NONFINITE,
+                 Kind.OPERAND)
+# the classes of the GPU rules (parity.contract) whose rejection of a call names the bug rather than a crash
+NAMED_BY_REJECTION = (BugClass.LAYOUT, BugClass.FP8_DTYPE)
+STAGE_ORDER = (Stage.IN_PLACE, Stage.CALLS, Stage.PRECISION, Stage.FP8_DTYPE, Stage.SCALE, Stage.BYTES,
+               Stage.UNIT_SCALES, Stage.FAST_ACCUM, Stage.OUT_DTYPE, Stage.RESULT, Stage.CONTRACT, Stage.GPU_RULE)
+
+
+def gemm_order(name: str) -> int:
+    """A GEMM's (or grad_bias's) place in the layer's order: output, grad_input, grad_weight, grad_bias."""
+    return (*GEMMS, "grad_bias").index(name) if name in (*GEMMS, "grad_bias") else 9
+
+
+def is_gpu_lint(violation: Violation) -> bool:
+    """A _scaled_mm call that would fail on an H100, or that asks for fast accumulation where the
+    recipe does not, seen where it runs with the right numbers (a CPU)."""
+    return violation.kind is Kind.SCALED_MM_CONTRACT or (violation.kind is Kind.OPERAND
+                                                         and violation.cause is Cause.FLAG_IGNORED_ON_CPU)
+
+
+def is_contract_only(violation: Violation) -> bool:
+    """nn.Linear's contract broken, or equal values in another dtype: no wrong number."""
+    return violation.kind is Kind.CONTRACT or (violation.kind is Kind.BITWISE and violation.cause is Cause.DTYPE_ONLY)
+
+
+@dataclass
+class Outcome:
+    """What the plan's comparisons say about one case."""
+
+    violations: list[Violation]
+
+    @property
+    def fails(self) -> bool:
+        return bool(self.violations)
+
+    @property
+    def crashed(self) -> bool:
+        return any(v.kind is Kind.CRASH for v in self.violations)
+
+    @property
+    def crashes(self) -> list[Violation]:
+        return [v for v in self.violations if v.kind is Kind.CRASH]
+
+    @property
+    def numeric(self) -> list[Violation]:
+        return [v for v in self.violations if v.kind in NUMERIC_KINDS and not is_contract_only(v)]
+
+
+@dataclass(frozen=True)
+class CrashNote:
+    """A crash found beside the numbers diagnosed: its sentence and the conditions it needs."""
+
+    message: str
+    triggers: tuple[Trigger, ...] = ()
+
+    def to_json(self) -> dict:
+        return dict(message=self.message, trigger=labels(self.triggers))
+
+
+def _diagnosis_entry(finding: Finding) -> dict:
+    """A finding as the JSON's `diagnosis` lists it."""
+    if finding.kind is Kind.BEHAVIOUR:
+        return dict(step=finding.step, gemm=finding.gemm, operand=finding.operand, stage=Stage.BEHAVIOUR,
+                    category=finding.category, message=f"matches the exact emulation with {finding.description} "
+                                                       f"({finding.db:.1f} dB; the correct emulation: "
+                                                       f"{finding.correct_db:.1f} dB)")
+    return dict(step=finding.step, gemm=finding.gemm, operand=finding.operand, stage=finding.stage,
+                category=finding.category or "", message=finding.message)
+
+
+@dataclass
+class Localization:
+    verdict: Verdict  # PASS: nothing to localize
+    plan: CheckPlan
+    device: str
+    minimal_case: Case | None = None
+    gemm: list[str] = field(default_factory=list)  # diverging GEMMs (tensors), in GEMM order
+    first: str | None = None
+    operand: Operand | None = None
+    category: BugClass | None = None
+    triggers: list[Trigger] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    error: str | None = None
+    method: Method | None = None
+    findings: list[Finding] = field(default_factory=list)  # the stage findings and behaviour matches diagnosed
+    crash: CrashNote | None = None
+    diagnosed_case: Case | None = None
+    seconds: dict = field(default_factory=dict)  # wall time of each phase (check, triggers, diagnosis, evidence)
+
+    @property
+    def trigger(self) -> list[str]:
+        """The triggers as the text and the JSON list them."""
+        return labels(self.triggers)
+
+    @property
+    def diagnosis(self) -> list[dict]:
+        """The findings as the JSON lists them."""
+        return [_diagnosis_entry(finding) for finding in self.findings]
+
+    def to_json(self) -> dict:
+        return dict(verdict=self.verdict, impl=self.plan.candidate.name, reference=self.plan.reference.name,
+                    device=self.device, gemm=self.gemm, first=self.first, operand=self.operand,
+                    category=self.category, trigger=self.trigger,
+                    minimal_case=None if self.minimal_case is None else self.minimal_case.id,
+                    evidence=self.evidence, error=self.error, method=self.method, diagnosis=self.diagnosis,
+                    crash=None if self.crash is None else self.crash.to_json(), recipe=self.plan.candidate.recipe.name,
+                    diagnosed_case=None if self.diagnosed_case is None else self.diagnosed_case.id,
+                    seconds={phase: round(value, 2) for phase, value in self.seconds.items()},
+                    env=environment(self.device))

@@ -1,0 +1,119 @@
+"""A results table's verdict: PASS/FAIL of one candidate in one sentence, with the evidence and the
+command to run next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import pandas as pd
+
+from parity.policy import Policy, Violation, evaluate
+from parity.vocabulary import Kind
+from parity.report_tables import overall, plural, ran, recipe_flag, skipped_mask
+from parity.results_file import validated
+
+DETAILS_PER_FINDING = 20
+EXAMPLES_IN_HEADLINE = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a candidate keeps parity: `headline` is the one sentence a reader sees first,
+    `details` one line per finding (the evidence, or the context of a pass)."""
+
+    ok: bool
+    headline: str
+    details: list[str] = field(default_factory=list)
+    next_step: str | None = None  # a failing verdict: the command that localizes the smallest failing case
+    NEXT_STEP_WHY = "names the GEMM, operand, bug class and trigger of the smallest failing case"
+
+
+
+METRIC_PHRASES = {  # violation kind -> what the implementation did
+    Kind.CRASH: "crashed", Kind.BITWISE: "differs from an implementation of its recipe",
+    Kind.ACCUMULATION_BOUND: "differs from its recipe's exact FP8 result beyond accumulation and rounding",
+    Kind.OPERAND: "hands its GEMMs other fp8 operands or scales than its recipe's",
+    Kind.SQNR_DB: "falls below the SQNR floor against fp64",
+    Kind.PAIRED_SQNR_DB: "is less accurate than its paired reference",
+    Kind.NONFINITE: "gives NaN/Inf the reference does not", Kind.CONTRACT: "breaks nn.Linear's contract",
+    Kind.SCALED_MM_CONTRACT: "makes _scaled_mm calls that would fail on an H100",
+}
+
+
+def _where(violation: Violation) -> str:
+    return f"{violation.case_id} {violation.tensor} step {violation.step} vs {violation.reference}"
+
+
+def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
+    """PASS when every row of `candidate` meets the policy it carries (parity.policy.evaluate,
+    the same function `check` judges with): bitwise where compared with another implementation
+    of its recipe, within the accumulation bound (and with the oracle's operands) against its
+    recipe's exact emulation, above the SQNR floor against fp64, never raised, kept
+    nn.Linear's contract and made no _scaled_mm call that would fail on an H100; FAIL otherwise,
+    naming the first failing cases. A comparison that could not be made because the reference
+    raised also fails: parity was not shown there. NO VERDICT (ok=False) when the frame holds no
+    judged comparison of the candidate (none, or every case skipped)."""
+    frame = validated(frame)
+    mine = frame[frame["impl"] == candidate]
+    judged = ran(mine[mine["policy"] != Policy.NONE.value])
+    if judged.empty:
+        skipped = mine[skipped_mask(mine)]
+        why = (f"every case was skipped ({skipped['skipped'].iloc[0]})" if len(skipped) else
+               f"the results hold no judged {candidate} rows (implementations: "
+               f"{', '.join(sorted(frame['impl'].unique()))})")
+        if not len(mine[mine["error"].notna()]):
+            return Verdict(False, f"NO VERDICT: {why}")
+    recipe = mine["recipe"].iloc[0]
+    sqnr = overall(mine).loc[candidate].dropna(subset=["SQNR median (dB)"]) if len(ran(mine)) else pd.DataFrame()
+    accuracy = ("SQNR vs fp64, median (p05): " + ", ".join(
+        f"{tensor} {row['SQNR median (dB)']:.1f} ({row['SQNR p05 (dB)']:.1f}) dB, expected "
+        f"{row['expected SQNR (dB)']:.1f} (floor {row['SQNR floor (dB)']:.1f})" for tensor, row in sqnr.iterrows())
+                if len(sqnr) else "no rows against fp64: accuracy not measured")
+    skipped = mine[skipped_mask(mine)].drop_duplicates("case_id")
+    skip_line = ([f"{plural(len(skipped), 'case')} skipped, not judged: {skipped['skipped'].iloc[0]}"]
+                 if len(skipped) else [])
+    violations = evaluate(mine)
+    reference_failed = mine[mine["error"].isna() & mine["reference_error"].notna() & ~skipped_mask(mine)]
+    if not violations and reference_failed.empty:
+        by_policy = judged.groupby(["policy", "reference"])["case_id"].agg(["size", "nunique"])
+        said = {"bitwise": "bitwise equal to {ref}", "accumulation": "within the accumulation bound of {ref}",
+                "sqnr": "above the SQNR floor against {ref}", "paired": "within 3 dB of {ref}'s accuracy"}
+        parts = [said[p].format(ref=ref) + f" in {n}/{n} comparisons ({plural(cases, 'case')})"
+                 for (p, ref), (n, cases) in by_policy.iterrows()]
+        return Verdict(True, f"PASS: {candidate} ({recipe}) is " + "; ".join(parts),
+                       [accuracy, *skip_line, "no crash, no contract problem, no _scaled_mm call that would fail on "
+                                              "an H100, no operand that differs from its recipe's"])
+    phrases, details = [], []
+    by_kind: dict[Kind, list[Violation]] = {}
+    for violation in violations:
+        by_kind.setdefault(violation.kind, []).append(violation)
+    for metric, found in by_kind.items():
+        examples = ", ".join(v.case_id if metric is Kind.CRASH else _where(v) for v in found[:EXAMPLES_IN_HEADLINE])
+        more = ", ..." if len(found) > EXAMPLES_IN_HEADLINE else ""
+        noun = "case" if metric is Kind.CRASH else "comparison"
+        phrases.append(f"{METRIC_PHRASES.get(metric, metric)} in {plural(len(found), noun)} (first: {examples}{more})")
+        details += [f"{metric}: {v.case_id}: {v.full_message}" for v in found[:DETAILS_PER_FINDING]]
+        if len(found) > DETAILS_PER_FINDING:
+            details.append(f"... and {len(found) - DETAILS_PER_FINDING} more")
+    if len(reference_failed):
+        first = reference_failed.iloc[0]
+        phrases.append(f"could not be compared in {plural(len(reference_failed), 'comparison')} because the "
+                       f"reference raised (first: {first['case_id']} vs {first['reference']})")
+        details += [f"reference raised: {row.case_id} {row.tensor} step {row.step} vs {row.reference}: "
+                    f"{row.reference_error}" for row in reference_failed.head(DETAILS_PER_FINDING).itertuples()]
+    return Verdict(False, f"FAIL: {candidate} ({recipe}) " + "; ".join(phrases), [*details, accuracy, *skip_line],
+                   _next_step(mine, violations, reference_failed, candidate, recipe))
+
+
+def _next_step(rows: pd.DataFrame, violations: Sequence[Violation], reference_failed: pd.DataFrame,
+               candidate: str, recipe: str) -> str | None:
+    """`fp8-parity bisect` on the smallest failing case (fewest multiply-adds, then fewest steps)."""
+    failing = {v.case_id for v in violations} | set(reference_failed["case_id"])
+    cases = rows[rows["case_id"].isin(failing)].drop_duplicates("case_id")
+    if cases.empty:
+        return None
+    smallest = cases.assign(work=cases["M"] * cases["K"] * cases["N"]).sort_values(["work", "steps"]).iloc[0]
+    return " ".join(["fp8-parity bisect", "--impl", candidate, *recipe_flag(candidate, recipe),
+                     f"--case '{smallest['case_id']}'"])
+
