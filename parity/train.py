@@ -89,11 +89,12 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parity import cpu_gemm, oracles, sandbox
 from parity.data import write_case_file
 from parity.env import environment
-from parity.impls import Impl, default_reference, load_impl
+from parity.impls import Impl, convert_linears, default_reference, load_impl
 from parity.metrics import sqnr_db
 from parity.model import (GPT, GPTConfig, MarkovSource, ModelError, TokenFile, UserModelShape, batches,
                           build_user_model, get_model_config, is_model_factory, load_model_factory)
@@ -319,10 +320,6 @@ class Run:
     grad_norm: float = math.nan
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-
-
 @dataclass
 class Models:
     """The models of a plan: its data shape, and the initial model of each seed (on the CPU, float32)."""
@@ -365,14 +362,12 @@ def build_run(role: str, impl: Impl, models: Models, *, seed: int, plan: TrainPl
         model.checkpoint_blocks = True
     state = RunState()
     probes = {}
-    for name in linear_names(model):
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        layer, weight, _ = impl.build(getattr(parent, leaf), name=name)
-        if instrument:
-            probes[name] = LayerProbe(name, layer, weight, state)
-            layer = probes[name]
-        setattr(parent, leaf, layer)
+
+    def probe(name: str, layer: nn.Module, weight: nn.Parameter) -> LayerProbe:
+        probes[name] = LayerProbe(name, layer, weight, state)
+        return probes[name]
+
+    convert_linears(model, impl, wrap=probe if instrument else None)
     # AdamW: nanochat trains its embeddings and head with it; deterministic, state per parameter
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.learning_rate, betas=(0.9, 0.95), weight_decay=0.0,
                                   foreach=False)
@@ -396,7 +391,6 @@ def _deterministic_attention(device: str):
     plain bmm and softmax: deterministic, and for the built-in models a few percent of a step. The CPU's
     attention kernels are deterministic as they are."""
     if torch.device(device).type == "cuda":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 

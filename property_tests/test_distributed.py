@@ -23,10 +23,11 @@ import pytest
 import torch
 from torch import nn
 
-from parity.distributed import (IMPLS, DistributedRunError, RunResult, TrainSpec, build_model, compare_runs,
+from parity.distributed import (DistributedRunError, RunResult, TrainSpec, build_model, compare_runs,
                                 make_batch, run_distributed_parity, run_single_process)
+from parity.impls import FSDP_FLOAT8_ALL_GATHER
 
-FP8_IMPL, TORCHAO, TORCHAO_FP8_ALL_GATHER = IMPLS
+FP8_IMPL, TORCHAO, TORCHAO_FP8_ALL_GATHER = "fp8_impl", "torchao:tensorwise", FSDP_FLOAT8_ALL_GATHER
 RUNS = [("ddp", FP8_IMPL), ("ddp", TORCHAO), ("fsdp2", FP8_IMPL), ("fsdp2", TORCHAO), ("fsdp2", TORCHAO_FP8_ALL_GATHER)]
 SPEC = TrainSpec()
 
@@ -115,7 +116,8 @@ def test_launch_timeout_terminates_the_workers():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(runs=[("zero3", FP8_IMPL)]), "unknown mode 'zero3'"),
-    (dict(runs=[("ddp", "torchao:rowwise")]), "unknown impl 'torchao:rowwise'"),
+    # an implementation that does not load (parity.impls.load_impl's message) is refused before spawning
+    (dict(runs=[("ddp", "torchao:colwise")]), "unknown implementation 'torchao:colwise'"),
     (dict(runs=[]), "runs is empty"),
     (dict(runs=[("ddp", FP8_IMPL)], backend="nccl"), "backend='nccl' needs device='cuda'"),
     (dict(runs=[("ddp", FP8_IMPL)], world_size=3), "does not split evenly over world_size=3"),
