@@ -34,7 +34,7 @@ from parity.outputs import OutputError
 from parity.policy import Policy
 from parity.recipes import FP8_RECIPES, RecipeError
 from parity.sweep import DEFAULT_IMPLS as SWEEP_IMPLS, PRESETS as SWEEP_PRESETS
-from parity.train import DEFAULT_BASELINE, LEARNING_RATE
+from parity.train_plan import DEFAULT_BASELINE, LEARNING_RATE
 from parity.worker import warm_up
 
 # the exit codes, importable from here as from parity.exits (scripts and tests read them here)

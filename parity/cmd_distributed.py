@@ -56,7 +56,7 @@ def check_distributed(args) -> int:
     ran, against = results[mode, candidate.name], results[mode, reference.name]
     if against.error and not ran.error:
         raise CannotRun(f"the reference {reference.name} failed under {mode}: {against.error}")
-    first = _first_difference(ran, against)
+    first = first_difference(ran, against)
     print(_headline(ran, against, first, where, spec))
     if args.json:
         atomic_write_text(args.json, json.dumps(_to_json(ran, against, first, spec, world_size, backend, device),
@@ -96,7 +96,7 @@ def _spec(candidate: Impl, reference: Impl, world_size: int) -> TrainSpec:
     return TrainSpec(dims=dims, batch=alignment * world_size)
 
 
-def _first_difference(ran: RunResult, against: RunResult) -> dict | None:
+def first_difference(ran: RunResult, against: RunResult) -> dict | None:
     """The first step whose loss or a parameter's gradient differs (the loss first: it is computed
     before the gradients), with how many differ in all; None when every one is bitwise equal. The
     candidate's exception is a difference."""

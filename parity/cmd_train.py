@@ -10,7 +10,8 @@ from parity.exits import EXIT_FAIL, EXIT_PASS, UsageError
 from parity.model import ModelError
 from parity.outputs import OutputLock
 from parity.progress import Progress
-from parity.train import TrainError, TrainPlan, run_training
+from parity.train import run_training
+from parity.train_plan import TrainError, TrainPlan
 from parity.train_report import write_train_report
 
 
