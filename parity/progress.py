@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+
 class Progress:
     """Progress on stderr. On a terminal, one line redrawn in place. Otherwise (a log, CI) a line
     at every tenth of the planned work, and a heartbeat every HEARTBEAT_S seconds with the last
