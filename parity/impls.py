@@ -313,7 +313,7 @@ FSDP_FLOAT8_ALL_GATHER = "torchao:tensorwise+fsdp_float8_all_gather"
 
 
 def _torchao_fsdp_float8_all_gather() -> Impl:
-    impl = _torchao_float8(RECIPES["tensorwise"])()
+    impl = _torchao_float8(DEFAULT_RECIPE)()  # tensorwise
     config = dataclasses.replace(impl.convert_kwargs["config"], enable_fsdp_float8_all_gather=True)
     return dataclasses.replace(impl, name=FSDP_FLOAT8_ALL_GATHER, convert_kwargs=dict(config=config))
 
