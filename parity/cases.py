@@ -245,7 +245,6 @@ def parse_case_id(case_id: str) -> Case:
 def check_fits(case: Case, device: str) -> Case:
     """CaseError when the case's operands alone, in the float64 of the exact references, exceed the
     device's memory: say so before anything is allocated (the run needs several times more)."""
-    import torch
     need = 8 * (case.M * case.K + case.K * case.N + case.M * case.N)
     if device.startswith("cuda") and torch.cuda.is_available():
         have, where = torch.cuda.get_device_properties(torch.device(device)).total_memory, "the GPU's"

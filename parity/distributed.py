@@ -15,6 +15,13 @@ returns per step the loss and the full gradient of every parameter. `run_single_
 trains the same model on the full batch in this process, and `compare_runs` turns two runs
 into rows: per step and parameter, bitwise equality, max abs difference and SQNR.
 
+An implementation is anything parity.impls.load_impl loads (a built-in, `module:attr` or
+`file.py:attr`, in any of the three forms): the parent loads it to refuse a bad name before
+anything is spawned, and each rank loads it again by name (an Impl pickles by name). Every
+nn.Linear of the MLP is converted as `fp8-parity train` converts a model
+(parity.impls.convert_linears). torchao's FP8 all-gather under FSDP2 is the built-in
+parity.impls.FSDP_FLOAT8_ALL_GATHER.
+
 Tensorwise scaling is per process: under data parallelism each rank scales its own shard of
 the batch by that shard's amax, so a distributed run is NOT expected to be bitwise equal to
 one process on the full batch, even before the all-reduce sums in another order.
@@ -38,11 +45,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from parity.impls import Impl, convert_linears, linear_names, load_impl, reload_impl
 from parity.metrics import sqnr_db
 
 
 MODES = ("ddp", "fsdp2")
-IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:tensorwise+fsdp_float8_all_gather")
 BACKENDS = ("gloo", "nccl")
 
 
@@ -104,8 +115,28 @@ class DistributedRunError(RuntimeError):
 # Building and training (runs inside each worker, and in-process for the single-process run)
 # ---------------------------------------------------------------------------------------------
 
-def build_model(spec: TrainSpec, impl: str, device: torch.device) -> nn.Sequential:
-    """The spec's MLP with initial weights drawn from spec.seed, converted to FP8 by `impl`."""
+def _check_alignment(model: nn.Module, impl: Impl) -> None:
+    """ValueError naming each linear layer whose dims are not a multiple of the recipe's alignment."""
+    alignment = impl.recipe.alignment
+    bad = [f"layer {name!r}: {what} = {value} is not divisible by {alignment}"
+           for name in linear_names(model)
+           for what, value in (("in_features (K)", model.get_submodule(name).in_features),
+                               ("out_features (N)", model.get_submodule(name).out_features))
+           if value % alignment]
+    if bad:
+        raise ValueError(f"{'; '.join(bad)}: every FP8 GEMM dim of the {impl.recipe.name} recipe of {impl.name} "
+                         f"must be (TrainSpec.dims: round them to multiples of {alignment})")
+
+
+def build_model(spec: TrainSpec, impl: Impl | str, device: torch.device) -> nn.Sequential:
+    """The spec's MLP with initial weights drawn from spec.seed, every nn.Linear converted by `impl`
+    (an Impl, or a name parity.impls.load_impl loads)."""
+    return _build(spec, load_impl(impl) if isinstance(impl, str) else impl, device)[0]
+
+
+def _build(spec: TrainSpec, impl: Impl, device: torch.device
+           ) -> tuple[nn.Sequential, dict[str, tuple[nn.Parameter, nn.Parameter | None]]]:
+    """build_model's MLP and the (weight, bias) parameters of each converted layer, by layer name."""
     torch.manual_seed(spec.seed)
     layers: list[nn.Module] = []
     for fan_in, fan_out in zip(spec.dims, spec.dims[1:]):
@@ -113,14 +144,8 @@ def build_model(spec: TrainSpec, impl: str, device: torch.device) -> nn.Sequenti
             layers.append(nn.ReLU())
         layers.append(nn.Linear(fan_in, fan_out))
     model = nn.Sequential(*layers).to(device=device, dtype=spec.dtype)
-    if impl == "fp8_impl":
-        import fp8_impl
-        return fp8_impl.convert_to_float8_training(model)
-    from parity.impls import quiet_imports
-    with quiet_imports():
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    all_gather_in_fp8 = impl == "torchao:tensorwise+fsdp_float8_all_gather"
-    return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_fp8))
+    _check_alignment(model, impl)
+    return model, convert_linears(model, impl)
 
 
 def make_batch(spec: TrainSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,50 +156,61 @@ def make_batch(spec: TrainSpec, device: torch.device) -> tuple[torch.Tensor, tor
     return inputs.to(device, spec.dtype), target.to(device, torch.float32)
 
 
-def wrap(model: nn.Module, mode: str, device: torch.device, world_size: int) -> nn.Module:
-    """The model as trained: itself ("single"), in DDP, or FSDP2 (each Linear, then the root)."""
+def wrap(model: nn.Module, mode: str, device: torch.device, world_size: int, *,
+         layers: Sequence[str] = ()) -> nn.Module:
+    """The model as trained: itself ("single"), in DDP, or FSDP2 (each of the converted `layers`,
+    named in the model, then the root)."""
     if mode == "single":
         return model
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh(device.type, (world_size,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
+    for name in layers:
+        fully_shard(model.get_submodule(name), mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
 def _full_gradient(param: nn.Parameter) -> torch.Tensor:
     """The parameter's whole gradient on the CPU; FSDP2's sharded DTensor is gathered (a collective)."""
-    from torch.distributed.tensor import DTensor
     grad = param.grad
     if isinstance(grad, DTensor):
         grad = grad.full_tensor()
     return grad.detach().to("cpu", copy=True)
 
 
-def train(spec: TrainSpec, mode: str, impl: str, *, device: torch.device, rank: int = 0,
+def _gradient_names(model: nn.Module, layers: dict[str, tuple[nn.Parameter, nn.Parameter | None]]) -> dict[str, str]:
+    """Each parameter's name in `model` -> the name its gradient is reported under: a converted layer's
+    weight and bias as the nn.Linear's were ("0.weight", "0.bias"), whatever the implementation's
+    module calls them (a function's wrapper holds them at "0.linear.weight"), so that runs of two
+    implementations compare parameter by parameter; any other parameter under its own name. Taken
+    before a wrapper: FSDP2 replaces the parameters and keeps their names."""
+    linear = {id(weight): f"{layer}.weight" for layer, (weight, _) in layers.items()}
+    linear.update({id(bias): f"{layer}.bias" for layer, (_, bias) in layers.items() if bias is not None})
+    return {name: linear.get(id(param), name) for name, param in model.named_parameters()}
+
+
+def train(spec: TrainSpec, mode: str, impl: Impl | str, *, device: torch.device, rank: int = 0,
           world_size: int = 1) -> RunResult:
     """Train spec.steps SGD steps on this rank's share of the batch (the rank-th of world_size chunks).
 
     Under "ddp" and "fsdp2" a process group must be initialized; every rank must call this
     with the same arguments (gradients and losses are gathered collectively).
     """
-    from torch.distributed.tensor import DTensor
-    model = build_model(spec, impl, device)
-    trained = wrap(model, mode, device, world_size)
-    weight = model[0].weight
+    impl = load_impl(impl) if isinstance(impl, str) else impl
+    model, layers = _build(spec, impl, device)
+    reported = _gradient_names(model, layers)
+    first_weight = next(name for name, as_reported in reported.items() if as_reported == f"{next(iter(layers))}.weight")
+    trained = wrap(model, mode, device, world_size, layers=list(layers))
+    weight = model.get_parameter(first_weight)
     stored = weight.to_local() if isinstance(weight, DTensor) else weight
     optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
     inputs, target = (t.chunk(world_size)[rank] for t in make_batch(spec, device))
-    result = RunResult(mode, impl, weight_tensor_type=type(stored).__name__)
+    result = RunResult(mode, impl.name, weight_tensor_type=type(stored).__name__)
     for _ in range(spec.steps):
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(trained(inputs).float(), target)
         loss.backward()
-        result.grads.append({name: _full_gradient(p) for name, p in model.named_parameters()})
+        result.grads.append({reported[name]: _full_gradient(p) for name, p in model.named_parameters()})
         optimizer.step()
         loss = loss.detach()
         if world_size > 1:
@@ -184,9 +220,8 @@ def train(spec: TrainSpec, mode: str, impl: str, *, device: torch.device, rank: 
     return result
 
 
-def run_single_process(impl: str, spec: TrainSpec = TrainSpec(), *, device: str = "cpu") -> RunResult:
+def run_single_process(impl: Impl | str, spec: TrainSpec = TrainSpec(), *, device: str = "cpu") -> RunResult:
     """Train `impl` on the full batch in this process, with no wrapper: the data-parallel baseline."""
-    _check_impl(impl)
     return train(spec, "single", impl, device=torch.device(device))
 
 
@@ -212,7 +247,8 @@ def _describe(err: BaseException) -> str:
 class _Launch:
     """What every worker needs: picklable, sent to each spawned process."""
 
-    runs: tuple[tuple[str, str], ...]
+    # (mode, Impl.reload_args): each rank loads the implementation itself, inside its error report
+    runs: tuple[tuple[str, tuple], ...]
     spec: TrainSpec
     backend: str
     world_size: int
@@ -243,8 +279,9 @@ def _worker(rank: int, launch: _Launch, messages) -> None:
             device = torch.device("cpu")
         dist.init_process_group(launch.backend, rank=rank, world_size=launch.world_size,
                                 timeout=timedelta(seconds=launch.timeout_s))
-        for run_index, (mode, impl) in enumerate(launch.runs):
-            result = train(launch.spec, mode, impl, device=device, rank=rank, world_size=launch.world_size)
+        for run_index, (mode, impl_args) in enumerate(launch.runs):
+            result = train(launch.spec, mode, reload_impl(*impl_args), device=device, rank=rank,
+                           world_size=launch.world_size)
             if rank == 0:
                 path = Path(launch.out_dir, f"run{run_index}.pt")
                 torch.save(vars(result), path.with_suffix(".partial"))
@@ -257,19 +294,16 @@ def _worker(rank: int, launch: _Launch, messages) -> None:
             dist.destroy_process_group()
 
 
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; choose one of {list(IMPLS)}")
-
-
-def _check_launch(runs, backend: str, world_size: int, device: str, spec: TrainSpec) -> None:
-    """Clear errors for a launch that cannot work, before any process starts."""
+def _check_launch(runs, backend: str, world_size: int, device: str, spec: TrainSpec) -> tuple[tuple[str, Impl], ...]:
+    """Clear errors for a launch that cannot work, before any process starts; the runs with each
+    implementation loaded (parity.impls.ImplError, a ValueError, for a name that does not load)."""
     if not runs:
         raise ValueError("runs is empty: give (mode, impl) pairs, e.g. [('ddp', 'fp8_impl')]")
+    loaded = []
     for mode, impl in runs:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
-        _check_impl(impl)
+        loaded.append((mode, load_impl(impl) if isinstance(impl, str) else impl))
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     if world_size < 1 or spec.batch % world_size:
@@ -281,6 +315,7 @@ def _check_launch(runs, backend: str, world_size: int, device: str, spec: TrainS
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"device='cuda' needs one GPU per rank: world_size={world_size}, "
                          f"but {torch.cuda.device_count()} GPU(s) are visible")
+    return tuple(loaded)
 
 
 class _Failure(NamedTuple):
@@ -326,28 +361,29 @@ def _stop(processes, *, graceful: bool) -> None:
             process.join(timeout=5)
 
 
-def run_distributed_parity(runs: Sequence[tuple[str, str]], spec: TrainSpec = TrainSpec(), *,
+def run_distributed_parity(runs: Sequence[tuple[str, Impl | str]], spec: TrainSpec = TrainSpec(), *,
                            backend: str = "gloo", world_size: int = 2, device: str = "cpu",
                            timeout_s: float = 120.0) -> dict[tuple[str, str], RunResult]:
     """Train each (mode, impl) of `runs` on `world_size` spawned ranks; one launch for all of them.
 
-    mode: "ddp" or "fsdp2". impl: "fp8_impl", "torchao:tensorwise" or
-    "torchao:tensorwise+fsdp_float8_all_gather". Every run starts from the same weights and
-    batch (see TrainSpec). backend="gloo", device="cpu" runs anywhere (torch._scaled_mm is
+    mode: "ddp" or "fsdp2". impl: an Impl, or a name parity.impls.load_impl loads ("fp8_impl",
+    "torchao:tensorwise", parity.impls.FSDP_FLOAT8_ALL_GATHER, "path/to/file.py:attr", ...),
+    each in the form it is (function, module or converter). Every run starts from the same
+    weights and batch (see TrainSpec). backend="gloo", device="cpu" runs anywhere (torch._scaled_mm is
     emulated on the CPU); backend="nccl", device="cuda" puts rank r on GPU r.
 
-    Returns {(mode, impl): RunResult}, in the order of `runs`. A run that raises on any rank
+    Returns {(mode, impl name): RunResult}, in the order of `runs`. A run that raises on any rank
     gets a RunResult whose error names the rank and the exception; the other runs without a
     saved result say which run failed first (the launch stops at the first failure: the
     failed rank's peers may be stuck in a collective). Raises DistributedRunError if the
     launch itself fails: a worker dies without reporting, or the launch takes longer than
     timeout_s (also the process group's timeout). Every worker is ended before returning.
     """
-    runs = tuple((mode, impl) for mode, impl in runs)
-    _check_launch(runs, backend, world_size, device, spec)
+    runs = _check_launch(runs, backend, world_size, device, spec)
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fp8-parity-dist-") as out_dir:
-        launch = _Launch(runs, spec, backend, world_size, device, free_port(), timeout_s, out_dir)
+        launch = _Launch(tuple((mode, impl.reload_args) for mode, impl in runs), spec, backend, world_size, device,
+                         free_port(), timeout_s, out_dir)
         messages = context.Queue()
         processes = [context.Process(target=_worker, args=(rank, launch, messages), daemon=True)
                      for rank in range(world_size)]
@@ -360,19 +396,20 @@ def run_distributed_parity(runs: Sequence[tuple[str, str]], spec: TrainSpec = Tr
         finally:
             _stop(processes, graceful=finished)
             messages.close()
-        return {run: _collect(index, runs, out_dir, failure) for index, run in enumerate(runs)}
+        return {(mode, impl.name): _collect(index, runs, out_dir, failure) for index, (mode, impl) in enumerate(runs)}
 
 
-def _collect(index: int, runs: tuple[tuple[str, str], ...], out_dir: str, failure: _Failure | None) -> RunResult:
+def _collect(index: int, runs: tuple[tuple[str, Impl], ...], out_dir: str, failure: _Failure | None) -> RunResult:
     """Run `index`'s result as rank 0 saved it, or the error that kept it from being saved."""
     mode, impl = runs[index]
     path = Path(out_dir, f"run{index}.pt")
     if path.exists():
         return RunResult(**torch.load(path, weights_only=True))
     if failure.run_index in (index, None):
-        return RunResult(mode, impl, error=f"rank {failure.rank}: {failure.text}")
-    failed = "/".join(runs[failure.run_index])
-    return RunResult(mode, impl, error=f"no result: rank {failure.rank} failed in {failed} first")
+        return RunResult(mode, impl.name, error=f"rank {failure.rank}: {failure.text}")
+    failed_mode, failed_impl = runs[failure.run_index]
+    failed = f"{failed_mode}/{failed_impl.name}"
+    return RunResult(mode, impl.name, error=f"no result: rank {failure.rank} failed in {failed} first")
 
 
 def compare_runs(a: RunResult, b: RunResult) -> list[dict]:

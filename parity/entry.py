@@ -16,13 +16,9 @@ from __future__ import annotations
 import os
 import sys
 
-# The commands that run an implementation in a worker, and how many fresh CUDA workers each wants at
-# once: the one its cases run in; for check and bisect one for the minimal case rerun alone (state
-# that earlier calls left); for bisect one more, for that rerun when a rounding of the scales makes it
-# localize again (bisect's step 4). Spawned together, each is ready when the first is: on the H200 a
-# bisect's triggers had waited 5-10 s for a worker spawned only when the one before was taken. (No
-# more processes than before: taking a worker spawns its replacement anyway, only later.)
-RUNS_YOUR_CODE = {"check": 2, "bisect": 3, "sweep": 1}
+from parity.commands import RUNS_YOUR_CODE
+from parity.worker import warm_up  # standard library only: no torch yet
+
 BUILTIN_PACKAGES = ("fp8_impl", "torchao", "emulated")  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
 
 
@@ -50,6 +46,8 @@ def worker_device(argv: list[str]) -> str | None:
     --device auto is decided by the presence of an NVIDIA driver (torch is not imported yet)."""
     if not argv or argv[0] not in RUNS_YOUR_CODE:
         return None
+    if any(arg.partition("=")[0] == "--distributed" for arg in argv):  # its ranks load the code, no worker
+        return None
     if not any(names_your_code(value) for value in _values(argv, ("--impl", "--against"))):
         return None
     device = (_values(argv, ("--device",)) or ["auto"])[-1]
@@ -63,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     device = worker_device(argv)
     if device is not None:
-        from parity.worker import warm_up  # standard library only: no torch yet
         warm_up(device, RUNS_YOUR_CODE[argv[0]])
+    # Deliberately late: importing parity.cli and building its parser (torch and the harness) took
+    # 3.6 s on a 2-core machine at load 1.5 (10-12 s at load 5), time the worker started above spends
+    # getting ready beside it; imported at the top of this module, it would all come first.
     from parity.cli import main as cli_main
     return cli_main(argv)

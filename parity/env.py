@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 import platform
 import subprocess
+from importlib.metadata import version
 
 import torch
+
+from parity import __version__
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,7 +25,6 @@ def _git_sha(cwd: str | None = None) -> str | None:
 @functools.lru_cache(maxsize=None)
 def torchao_version() -> str | None:
     try:
-        from importlib.metadata import version
         return version("torchao")
     except Exception:  # noqa: BLE001 - not installed
         return None
@@ -32,7 +34,6 @@ def environment(device: torch.device | str = "cpu") -> dict:
     """A flat dict of what produced a result (attached to every results table)."""
     device = torch.device(device)
     on_gpu = device.type == "cuda" and torch.cuda.is_available()
-    from parity import __version__
     return dict(
         parity=__version__, torch=torch.__version__, torchao=torchao_version(),
         cuda=torch.version.cuda, hip=torch.version.hip, python=platform.python_version(),

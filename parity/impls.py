@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from parity.cases import Layout
+from parity.oracles import emulated_matmul
 from parity.sandbox import ProcessExit, exits_raise
 from parity.recipes import DEFAULT_RECIPE, FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
 
@@ -79,7 +80,12 @@ class Impl:
 
     def __reduce__(self):
         """Pickled by name: a worker process rebuilds the implementation (parity.worker)."""
-        return _reload, (self.name, self.form.value, self.recipe.name, self.recipe.reciprocal_scales)
+        return reload_impl, self.reload_args
+
+    @property
+    def reload_args(self) -> tuple[str, str, str, bool]:
+        """What rebuilds this implementation in another process: reload_impl(*impl.reload_args)."""
+        return self.name, self.form.value, self.recipe.name, self.recipe.reciprocal_scales
 
     @property
     def is_reference(self) -> bool:
@@ -121,6 +127,30 @@ class Impl:
             module = (holder if converted is None else converted).get_submodule(name)
         weight, bias = _find_parameters(module, linear)
         return module, weight, bias
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The names of the nn.Linear layers of `model`, in its order."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+LayerWrap = Callable[[str, nn.Module, nn.Parameter], nn.Module]  # (name, converted layer, weight) -> module
+
+
+def convert_linears(model: nn.Module, impl: Impl,
+                    wrap: LayerWrap | None = None) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
+    """Replace every nn.Linear of `model`, in place, by its implementation by `impl` (Impl.build with
+    the layer's name, so a converter's module filter sees the real fqn), put inside wrap(name, layer,
+    weight) when given. Returns each converted layer's (weight, bias) parameters (where its gradients
+    land), by layer name, in the model's order."""
+    parameters = {}
+    for name in linear_names(model):
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer, weight, bias = impl.build(getattr(parent, leaf), name=name)
+        parameters[name] = (weight, bias)
+        setattr(parent, leaf, layer if wrap is None else wrap(name, layer, weight))
+    return parameters
 
 
 def _holder_at(name: str, linear: nn.Linear) -> nn.Module:
@@ -191,6 +221,10 @@ def _find_parameters(module: nn.Module, linear: nn.Linear):
 
 def _fp8_impl(recipe: Recipe) -> Callable[[], Impl]:
     def load() -> Impl:
+        # Imported when first loaded, not with this module: fp8_impl imports torch._dynamo, 1.4 s of
+        # `python -X importtime -c "import torch; import fp8_impl"` (2-core machine), which the pytest
+        # plugin (in every pytest session where fp8-parity is installed), the runner and the check
+        # import this module without needing.
         from fp8_impl import Float8Linear, Float8LinearConfig
         name = "fp8_impl" if recipe is DEFAULT_RECIPE else f"fp8_impl:{recipe.name}"
         return Impl(name, Form.MODULE, Float8Linear, recipe=recipe,
@@ -267,9 +301,21 @@ class _IdentityLinear:
 
 def _emulated(recipe: Recipe) -> Callable[[], Impl]:
     def load() -> Impl:
-        from parity.oracles import emulated_matmul
         return Impl(f"emulated:{recipe.name}", Form.FUNCTION, emulated_matmul(recipe), recipe=recipe, exact=True)
     return load
+
+
+# torchao's tensorwise recipe with its weights all-gathered in FP8 under FSDP2
+# (Float8LinearConfig(enable_fsdp_float8_all_gather=True): the weight is cast to FP8 before the
+# gather, its amax all-reduced first). Only a sharded run (`check --distributed fsdp2`) takes that
+# path; on one process it computes what torchao:tensorwise does.
+FSDP_FLOAT8_ALL_GATHER = "torchao:tensorwise+fsdp_float8_all_gather"
+
+
+def _torchao_fsdp_float8_all_gather() -> Impl:
+    impl = _torchao_float8(DEFAULT_RECIPE)()  # tensorwise
+    config = dataclasses.replace(impl.convert_kwargs["config"], enable_fsdp_float8_all_gather=True)
+    return dataclasses.replace(impl, name=FSDP_FLOAT8_ALL_GATHER, convert_kwargs=dict(config=config))
 
 
 def _torchao(recipe: Recipe) -> Callable[[], Impl]:
@@ -282,6 +328,7 @@ BUILTINS: dict[str, Callable[[], Impl]] = {
     "fp8_impl": _fp8_impl(DEFAULT_RECIPE),
     **{f"fp8_impl:{name}": _fp8_impl(RECIPES[name]) for name in FP8_RECIPES},
     **{f"torchao:{name}": _torchao(RECIPES[name]) for name in FP8_RECIPES},
+    FSDP_FLOAT8_ALL_GATHER: _torchao_fsdp_float8_all_gather,
     "emulated": _emulated(DEFAULT_RECIPE),
     **{f"emulated:{name}": _emulated(RECIPES[name]) for name in FP8_RECIPES},
     **{name: _reference(recipe) for name, recipe in RECIPES.items() if not recipe.is_fp8},
@@ -290,6 +337,7 @@ del BUILTINS["fp8_impl:tensorwise"]  # it is "fp8_impl"
 BUILTIN_HELP = {
     "fp8_impl": "this project's minimal Float8Linear (tensorwise; fp8_impl:RECIPE for the others)",
     **{f"torchao:{name}": f"torchao, {name} recipe" for name in FP8_RECIPES},
+    FSDP_FLOAT8_ALL_GATHER: "torchao, tensorwise, its weights all-gathered in FP8 under FSDP2",
     "emulated": "exact float64 emulation of a recipe's FP8 math (emulated:RECIPE; default tensorwise)",
     "bf16": "nn.Linear in bfloat16",
     "fp64": "nn.Linear in float64",
@@ -304,7 +352,8 @@ def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
     return name if name in BUILTINS else None
 
 
-def _reload(name: str, form: str, recipe: str, reciprocal_scales: bool = False) -> Impl:
+def reload_impl(name: str, form: str, recipe: str, reciprocal_scales: bool = False) -> Impl:
+    """The implementation of Impl.reload_args, loaded again by name (in a worker or rank process)."""
     impl = load_impl(name, form=None if name in BUILTINS else form, recipe=None if name in BUILTINS else recipe)
     impl.form = Form(form)
     return with_reciprocal_scales(impl) if reciprocal_scales else impl
@@ -315,7 +364,6 @@ def with_reciprocal_scales(impl: Impl) -> Impl:
     (Recipe.reciprocal_scales); an exact emulation becomes that recipe's emulation."""
     recipe = dataclasses.replace(impl.recipe, reciprocal_scales=True)
     if impl.exact:
-        from parity.oracles import emulated_matmul
         return dataclasses.replace(impl, target=emulated_matmul(recipe), recipe=recipe)
     return dataclasses.replace(impl, recipe=recipe)
 
@@ -335,7 +383,7 @@ def default_reference(candidate: Impl, device_type: str) -> Impl:
 
 # ---- loading by name ----------------------------------------------------------------------------
 
-def _import_target(module_spec: str, attr: str) -> Any:
+def import_target(module_spec: str, attr: str) -> Any:
     is_path = module_spec.endswith(".py") or "/" in module_spec or "\\" in module_spec
     try:
         if is_path:
@@ -456,7 +504,7 @@ def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | Recipe
                 f"'package.module:attr' or 'path/to/file.py:attr'")
         module_spec, _, attr = spec.rpartition(":")
         try:
-            target = _import_target(module_spec, attr)
+            target = import_target(module_spec, attr)
         except ImplError as err:
             if close:  # torchao:tensorwize is more likely a typo of a built-in than an attribute
                 raise ImplError(f"unknown implementation {spec!r}: {hint}(it is no built-in, and as "

@@ -46,15 +46,19 @@ Your own model and your own data (`fp8-parity train --model path.py:factory --da
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from parity.impls import ImplError, import_target
 
 ALIGNMENT = 16  # the FP8 GEMMs' smallest alignment (torch._scaled_mm); recipes may need more
 LOGIT_SOFTCAP = 15.0  # nanochat's: logits = 15 tanh(logits / 15)
@@ -152,7 +156,6 @@ MODELS: dict[str, GPTConfig] = {c.name: c for c in (
 
 def get_model_config(name: str) -> GPTConfig:
     if name not in MODELS:
-        import difflib
         close = difflib.get_close_matches(name, list(MODELS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ModelError(f"unknown model {name!r}: {hint}known models: "
@@ -313,8 +316,7 @@ class MarkovSource:
     def batch(self, batch_size: int, length: int, generator: torch.Generator) -> torch.Tensor:
         """[batch_size, length] tokens (int64), each row started from the stationary distribution, each
         next token drawn by inverse CDF over the current token's successors."""
-        import numpy as np  # the walk runs one small step per position: numpy's per-call cost is torch's tenth
-
+        # the walk runs one small step per position: numpy's per-call cost is torch's tenth
         tokens = np.empty((batch_size, length), dtype=np.int64)
         tokens[:, 0] = torch.multinomial(self.stationary.float(), batch_size, replacement=True,
                                          generator=generator).numpy()
@@ -375,7 +377,6 @@ class TokenFile:
                                  f"token ids with torch.save(tensor_of_ids, path)")
             tokens = loaded
         elif suffix == ".npy":
-            import numpy as np
             kind = "token ids (.npy)"
             try:
                 array = np.load(path, allow_pickle=False)
@@ -459,14 +460,12 @@ class UserModelShape:
 def load_model_factory(spec: str) -> Callable[[], nn.Module]:
     """The factory named by `path.py:factory` (or `package.module:factory`); ModelError when it
     does not import, lacks the attribute or is not callable."""
-    from parity.impls import ImplError, _import_target
-
     module_spec, _, attr = spec.rpartition(":")
     if not module_spec or not attr:
         raise ModelError(f"--model {spec!r}: write your own model as path/to/file.py:factory (factory: "
                          f"{FACTORY_PROTOCOL})")
     try:
-        factory = _import_target(module_spec, attr)
+        factory = import_target(module_spec, attr)
     except ImplError as err:
         raise ModelError(f"--model {spec!r}: {str(err).replace('implementation file', 'model file')}") from None
     if not callable(factory):

@@ -81,7 +81,6 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -89,218 +88,21 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from parity import cpu_gemm, oracles, sandbox
+from parity import cpu_gemm, sandbox
 from parity.data import write_case_file
 from parity.env import environment
-from parity.impls import Impl, default_reference, load_impl
-from parity.metrics import sqnr_db
-from parity.model import (GPT, GPTConfig, MarkovSource, ModelError, TokenFile, UserModelShape, batches,
-                          build_user_model, get_model_config, is_model_factory, load_model_factory)
+from parity.impls import Impl, convert_linears, default_reference, load_impl
+from parity.model import GPT, GPTConfig, MarkovSource, TokenFile, UserModelShape, batches, build_user_model
 from parity.policy import Policy, default_policy
 from parity.recipes import GEMMS
 from parity.report import Verdict
-
-# DeepSeek-V3 (arXiv 2412.19437, section 3.3): FP8 training's relative loss error against BF16
-# "consistently remains below 0.25%". A reference line, drawn in the report and used as the floor
-# of the allowed gap: below it a gap passes even when the seed-to-seed noise happens to be smaller.
-DEEPSEEK_RELATIVE_LOSS_GAP = 0.0025
-# The learning rate of your own model (--model file.py:factory) unless --lr says otherwise; the
-# built-in models carry theirs (GPTConfig.learning_rate: 1e-2 for tiny, 3e-3 for d12).
-LEARNING_RATE = 1e-2
-ROLES = ("candidate", "against", "baseline", "baseline_seed")
-DEFAULT_BASELINE = "bf16"
+from parity.train_numerics import gemm_numerics
+from parity.train_plan import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, Divergence, TrainError, TrainPlan, TrainResult
+from parity.train_probes import LayerProbe, RunState, same
 
 
-class TrainError(ValueError):
-    """A training comparison that cannot run as asked; the message says what and how to fix it."""
-
-
-@dataclass(frozen=True)
-class TrainPlan:
-    """What `fp8-parity train` runs. `window`: steps at the end whose mean loss is judged (default:
-    the last fifth, at least one: long enough to average out batch-to-batch noise, short enough to
-    be the end of training). `sample_every`: the steps whose numerics are computed (and the last).
-    `model`: a built-in name or `path.py:factory`; `lr`: None for the model's own; `grad_accum`:
-    micro-batches a step; `checkpoint`: torch.utils.checkpoint around each block of the built-in
-    GPT; `data`: a token or text file instead of the synthetic source."""
-
-    impl: str
-    against: str | None = None  # None: the candidate recipe's parity reference
-    baseline: str = DEFAULT_BASELINE
-    model: str = "tiny"
-    steps: int = 50
-    device: str = "cpu"
-    seed: int = 0
-    sample_every: int = 5
-    window: int | None = None
-    lr: float | None = None
-    form: str | None = None
-    recipe: str | None = None
-    grad_accum: int = 1
-    checkpoint: bool = False
-    data: str | None = None
-
-    def __post_init__(self):
-        if self.steps < 1:
-            raise TrainError(f"steps = {self.steps}: train at least one step (e.g. --steps 50)")
-        if self.sample_every < 1:
-            raise TrainError(f"sample_every = {self.sample_every} must be at least 1 (1: numerics at every step)")
-        if self.window is not None and not 1 <= self.window <= self.steps:
-            raise TrainError(f"window = {self.window} must be from 1 to steps = {self.steps}")
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise TrainError(f"lr = {self.lr} must be a positive finite number (e.g. {LEARNING_RATE})")
-        if self.grad_accum < 1:
-            raise TrainError(f"grad_accum = {self.grad_accum} must be at least 1 (1: no gradient accumulation)")
-        if self.data is not None and not Path(self.data).is_file():
-            raise TrainError(f"--data {self.data!r} does not exist (resolved to {Path(self.data).resolve()}): give "
-                             f"a .pt or .npy file of token ids or a UTF-8 text file")
-        try:
-            if self.user_model:
-                load_model_factory(self.model)  # imports the file: a typo shows before anything trains
-            else:
-                get_model_config(self.model)
-        except ModelError as err:
-            raise TrainError(str(err)) from None
-        if self.checkpoint and self.user_model:
-            raise TrainError(f"--checkpoint wraps the blocks of the built-in GPT; for your own model "
-                             f"({self.model}) call torch.utils.checkpoint(..., use_reentrant=False) in its forward "
-                             f"instead (the probes handle the recompute either way) and leave out --checkpoint")
-
-    @property
-    def user_model(self) -> bool:
-        return is_model_factory(self.model)
-
-    @property
-    def config(self) -> GPTConfig:
-        """The built-in model's config (a user's model has none: see build_models)."""
-        return get_model_config(self.model)
-
-    @property
-    def learning_rate(self) -> float:
-        if self.lr is not None:
-            return self.lr
-        return LEARNING_RATE if self.user_model else self.config.learning_rate
-
-    @property
-    def loss_window(self) -> int:
-        return self.window or max(1, self.steps // 5)
-
-    def sampled(self, step: int) -> bool:
-        return step % self.sample_every == 0 or step == self.steps - 1
-
-
-# ---- probes: what one converted layer did in the current call -------------------------------------
-
-class _GradTap(torch.autograd.Function):
-    """Identity forward; backward hands the gradient that flows through to `keep`."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        ctx.keep = keep
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.keep(grad.detach())
-        return grad, None
-
-
-def _discard(_: torch.Tensor) -> None:
-    """The taps of a checkpoint recompute: its graph is never backpropagated, nothing arrives."""
-
-
-@dataclass
-class Call:
-    """One call of a converted layer: a micro-batch's forward, its recompute under checkpointing,
-    and its backward."""
-
-    input: torch.Tensor  # the forward's: what the output GEMM used
-    output: torch.Tensor | None = None
-    grad_output: torch.Tensor | None = None
-    grad_input: torch.Tensor | None = None  # None when the layer's input needs no gradient
-    grad_weight: torch.Tensor | None = None  # this call's, before it is added into .grad
-    recomputed_input: torch.Tensor | None = None  # the checkpoint recompute's: what the backward GEMMs used
-    # None without recompute, or where the recompute stopped early: torch.utils.checkpoint ends it once
-    # the last saved tensor is refilled, inside a block's last layer, before that layer's output exists
-    recomputed_output: torch.Tensor | None = None
-
-    def results(self) -> dict[str, torch.Tensor | None]:
-        """The three GEMMs' results of the call (after backward)."""
-        return {"output": self.output, "grad_input": self.grad_input, "grad_weight": self.grad_weight}
-
-    def input_for(self, gemm: str) -> torch.Tensor:
-        """The input the GEMM consumed: the recompute's for grad_weight under checkpointing."""
-        return self.recomputed_input if gemm != "output" and self.recomputed_input is not None else self.input
-
-
-@dataclass
-class RunState:
-    """Shared by a run's probes: the layers' forward order this call, and whether backward is running."""
-
-    order: list[str] = field(default_factory=list)
-    in_backward: bool = False
-
-
-class LayerProbe(nn.Module):
-    """A converted linear layer and what it did in the current call (`call`): identity taps on its
-    input and output catch grad_input and grad_output, a hook on its weight catches the call's
-    grad_weight. A forward while the run is in backward is the checkpoint recompute of the current
-    call (see the module docstring): recorded beside the forward's, never as a new call."""
-
-    def __init__(self, name: str, layer: nn.Module, weight: nn.Parameter, state: RunState):
-        super().__init__()
-        self.layer, self.name = layer, name
-        self._weight, self._state = [weight], state  # in a list: not registered a second time
-        self.call: Call | None = None
-        weight.register_hook(self._keep_grad_weight)
-
-    @property
-    def weight_param(self) -> nn.Parameter:
-        return self._weight[0]
-
-    def _keep_grad_weight(self, grad: torch.Tensor) -> None:
-        if self.call is not None:
-            self.call.grad_weight = grad.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._state.in_backward and self.call is not None:
-            return self._recompute(x)
-        if self.name in self._state.order:
-            raise TrainError(f"layer {self.name!r} ran twice in one forward pass: a layer called more than once per "
-                             f"step (shared weights) has two calls the comparison cannot tell apart; give each use "
-                             f"its own nn.Linear")
-        self._state.order.append(self.name)
-        call = self.call = Call(input=x.detach())
-        output = self.layer(_GradTap.apply(x, partial(setattr, call, "grad_input")))
-        call.output = output.detach()
-        return _GradTap.apply(output, partial(setattr, call, "grad_output"))
-
-    def _recompute(self, x: torch.Tensor) -> torch.Tensor:
-        """The checkpoint recompute of the current call: the same autograd functions as the forward
-        (the recompute must save the same tensors, in the same order), its own records."""
-        self.call.recomputed_input = x.detach()
-        output = self.layer(_GradTap.apply(x, _discard))
-        self.call.recomputed_output = output.detach()
-        return _GradTap.apply(output, _discard)
-
-    def results(self) -> dict[str, torch.Tensor | None]:
-        """The call's three GEMM results; all None for a layer the call did not run (a user's model may
-        leave one out)."""
-        return self.call.results() if self.call is not None else dict.fromkeys(GEMMS)
-
-    def recompute_bitwise(self) -> bool | None:
-        """Whether the checkpoint recompute's output GEMM gave the forward's bits (None: no recompute)."""
-        if self.call is None or self.call.recomputed_output is None:
-            return None
-        return _same(self.call.output, self.call.recomputed_output)
-
-    def operands(self, gemm: str = "output", *, copy: bool = False) -> dict[str, torch.Tensor]:
-        """input (the one `gemm` used), weight (its value this step), grad_output; `copy` the weight
-        before the optimizer changes it."""
-        weight = self.weight_param.detach()
-        return {"input": self.call.input_for(gemm), "weight": weight.clone() if copy else weight,
-                "grad_output": self.call.grad_output}
 
 
 @dataclass
@@ -317,10 +119,6 @@ class Run:
     micro_losses: list[float] = field(default_factory=list)
     loss: float = math.nan
     grad_norm: float = math.nan
-
-
-def linear_names(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
 
 
 @dataclass
@@ -365,14 +163,12 @@ def build_run(role: str, impl: Impl, models: Models, *, seed: int, plan: TrainPl
         model.checkpoint_blocks = True
     state = RunState()
     probes = {}
-    for name in linear_names(model):
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        layer, weight, _ = impl.build(getattr(parent, leaf), name=name)
-        if instrument:
-            probes[name] = LayerProbe(name, layer, weight, state)
-            layer = probes[name]
-        setattr(parent, leaf, layer)
+
+    def probe(name: str, layer: nn.Module, weight: nn.Parameter) -> LayerProbe:
+        probes[name] = LayerProbe(name, layer, weight, state)
+        return probes[name]
+
+    convert_linears(model, impl, wrap=probe if instrument else None)
     # AdamW: nanochat trains its embeddings and head with it; deterministic, state per parameter
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.learning_rate, betas=(0.9, 0.95), weight_decay=0.0,
                                   foreach=False)
@@ -396,7 +192,6 @@ def _deterministic_attention(device: str):
     plain bmm and softmax: deterministic, and for the built-in models a few percent of a step. The CPU's
     attention kernels are deterministic as they are."""
     if torch.device(device).type == "cuda":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 
@@ -433,68 +228,6 @@ def finish_step(run: Run) -> None:
     run.micro_losses.clear()
 
 
-# ---- numerics -----------------------------------------------------------------------------------
-
-def shadow_gemm(gemm: str, input_2d: torch.Tensor, weight: torch.Tensor, grad_output_2d: torch.Tensor):
-    """The GEMM in float64 on the same operands."""
-    x, w, g = (t.to(torch.float64) for t in (input_2d, weight, grad_output_2d))
-    return {"output": lambda: x @ w.t(), "grad_input": lambda: g @ w, "grad_weight": lambda: g.t() @ x}[gemm]()
-
-
-def operand_stats(values: torch.Tensor, cast, pow2: bool) -> torch.Tensor:
-    """[amax, underflow %, saturated %] (float64, on the operand's device: the caller reads all of a
-    layer's at once). Under the cast's scaling: % of non-zero values quantized to zero and % on the fp8
-    max; NaN for a high-precision operand (nothing is quantized)."""
-    amax = values.abs().amax().to(torch.float64) if values.numel() else values.new_zeros((), dtype=torch.float64)
-    if cast.fp8 is None:
-        nan = torch.full((), math.nan, dtype=torch.float64, device=values.device)
-        return torch.stack([amax, nan, nan])
-    quantized = oracles.quantize(values, cast, pow2=pow2).values
-    nonzero = values != 0
-    count = nonzero.sum().clamp(min=1).to(torch.float64)
-    fp8_max = oracles.FORMATS[cast.dtype].max
-    # counted in float64: 100 x a count of millions is not exact in float32
-    underflow = (nonzero & (quantized == 0)).sum().to(torch.float64)
-    saturated = (nonzero & (quantized.abs() == fp8_max)).sum().to(torch.float64)
-    return torch.stack([amax, 100.0 * underflow / count, 100.0 * saturated / count])
-
-
-def gemm_numerics(probe: LayerProbe, recipe) -> dict[str, dict]:
-    """Per GEMM: the SQNR against the float64 shadow and the stats of its two operands (a, b), each on
-    the operands that GEMM consumed."""
-    call, weight = probe.call, probe.weight_param.detach()
-    if call is None or call.grad_output is None:  # not run this call, or its output did not reach the loss
-        return {}
-    grad_output_2d = call.grad_output.reshape(-1, call.grad_output.shape[-1])
-    results = call.results()
-    numerics, stats = {}, []
-    for gemm_name in GEMMS:
-        input_2d = call.input_for(gemm_name).reshape(-1, weight.shape[1])
-        gemm = recipe.gemm(gemm_name)
-        got = results[gemm_name]
-        row = {"sqnr_db": math.nan}
-        if got is not None:
-            shadow = shadow_gemm(gemm_name, input_2d, weight, grad_output_2d)
-            row["sqnr_db"] = sqnr_db(got.reshape(shadow.shape), shadow)
-        views = oracles.operand_views(input_2d, weight, grad_output_2d)[gemm_name]
-        for side, operand, values, cast in zip("ab", gemm.operands, views, (gemm.a, gemm.b)):
-            row[f"{side}_operand"] = operand
-            stats.append(operand_stats(values, cast, recipe.pow2_scales))
-        numerics[gemm_name] = row
-    values = iter(torch.stack(stats).tolist())  # one device-to-host copy for the layer's operands
-    for gemm_name in GEMMS:
-        for side in "ab":
-            amax, underflow, saturated = next(values)
-            numerics[gemm_name].update({f"{side}_amax": amax, f"{side}_underflow_pct": underflow,
-                                        f"{side}_saturated_pct": saturated})
-    return numerics
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None  # both not run (an input that needs no gradient): no difference
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
 
 def execution_order(forward_order: list[str]) -> list[tuple[str, str]]:
     """(layer, GEMM) in the order they run: each layer's output in forward order, then backward in
@@ -512,37 +245,124 @@ def _clock(device: str) -> float:
 
 # ---- the lockstep ---------------------------------------------------------------------------------
 
-@dataclass
-class Divergence:
-    """The first (step, micro-batch, layer, GEMM) where the candidate differs from the against run."""
 
-    step: int
-    layer: str
-    gemm: str
-    case_file: Path | None = None
-    micro: int = 0
-    grad_accum: int = 1
 
-    def __str__(self) -> str:
-        micro = f", micro-batch {self.micro} of {self.grad_accum}" if self.grad_accum > 1 else ""
-        return f"step {self.step}{micro}, layer {self.layer}, GEMM {self.gemm}"
+def _load_impls(plan: TrainPlan) -> dict[str, Impl]:
+    """The implementation of each role: --impl, --against (default: its recipe's parity reference),
+    --baseline twice (the second run from another seed)."""
+    candidate = load_impl(plan.impl, form=plan.form, recipe=plan.recipe)
+    against = load_impl(plan.against) if plan.against else default_reference(candidate, torch.device(plan.device).type)
+    baseline = load_impl(plan.baseline)
+    return {"candidate": candidate, "against": against, "baseline": baseline, "baseline_seed": baseline}
+
+
+PHASES = ("train_s", "compare_s", "numerics_s")  # a step's time: training, bitwise comparisons, numerics
 
 
 @dataclass
-class TrainResult:
+class _Lockstep:
+    """The runs of a plan advancing together, and what their comparison found so far."""
+
     plan: TrainPlan
-    frame: pd.DataFrame  # tidy: one row per step x micro-batch x run x layer x GEMM
-    source: MarkovSource | TokenFile
-    runs: dict[str, str]  # role -> implementation name
-    bitwise_required: bool
+    runs: list[Run]
+    out_dir: str | Path | None
+    rows: list[dict] = field(default_factory=list)
+    timing: list[dict] = field(default_factory=list)
     divergence: Divergence | None = None
-    loss_differs_at: int | None = None  # a step whose loss differs while every GEMM agreed
-    crash: str | None = None  # an implementation that raised: where, and its exception (training stops there)
-    seconds: float = 0.0
-    verdict: Verdict | None = None
-    layers: list[str] = field(default_factory=list)  # the converted layers, in the model's order
-    timing: pd.DataFrame | None = None  # one row per completed step: seconds, split by phase
-    recompute_differs: tuple[int, int, str] | None = None  # (step, micro, layer): the candidate's recompute
+    loss_differs_at: int | None = None
+    crash: str | None = None
+    recompute_differs: tuple[int, int, str] | None = None
+    previous: dict | None = None  # the candidate's operands of the last call, for a divergence at the next
+
+    def step(self, step: int, micro_batches: list[torch.Tensor]) -> bool:
+        """Train, compare and record one step (all its micro-batches), then each run's optimizer step;
+        False when an implementation raised (training stops there)."""
+        plan, sampled = self.plan, self.plan.sampled(step)
+        phases = dict.fromkeys(PHASES, 0.0)
+        step_rows: list[dict] = []
+        step_start = _clock(plan.device)
+        for micro, batch in enumerate(micro_batches):
+            begin = _clock(plan.device)
+            if not self._train(step, micro, batch.to(plan.device)):
+                return False
+            compared = _clock(plan.device)
+            phases["train_s"] += compared - begin
+            bitwise, recomputed = self._compare(step, micro)
+            numerics_start = _clock(plan.device)
+            phases["compare_s"] += numerics_start - compared
+            step_rows += self._rows(step, micro, sampled, bitwise, recomputed)
+            phases["numerics_s"] += _clock(plan.device) - numerics_start
+        optimizer_start = _clock(plan.device)
+        for run in self.runs:
+            finish_step(run)
+        if self.divergence is None and self.loss_differs_at is None and self.runs[0].loss != self.runs[1].loss:
+            self.loss_differs_at = step
+        step_end = _clock(plan.device)
+        phases["train_s"] += step_end - optimizer_start
+        seconds = step_end - step_start
+        by_role = {run.role: run for run in self.runs}
+        for row in step_rows:
+            run = by_role[row["role"]]
+            row.update(loss=run.loss, grad_norm=run.grad_norm, step_seconds=seconds)
+        self.rows += step_rows
+        self.timing.append(dict(step=step, sampled=sampled, seconds=seconds, **phases))
+        return True
+
+    def _train(self, step: int, micro: int, batch: torch.Tensor) -> bool:
+        """Forward and backward of every run on the micro-batch; False (and the crash) when one raised."""
+        run = self.runs[0]
+        try:  # os._exit raises too: a run cut short must never read as a pass
+            with sandbox.exits_raise():
+                for run in self.runs:
+                    forward_backward(run, batch, loss_scale=1.0 / self.plan.grad_accum, device=self.plan.device)
+        except TrainError:
+            raise  # the harness cannot run this model as asked: not a finding about the implementation
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - an implementation that raises is a finding
+            where = f" (micro-batch {micro})" if self.plan.grad_accum > 1 else ""
+            self.crash = f"{run.impl.name} ({run.role}) raised at step {step}{where}: {type(err).__name__}: {err}"
+            return False
+        return True
+
+    def _compare(self, step: int, micro: int) -> tuple[dict, dict]:
+        """The candidate's GEMMs against the against run's, bitwise, and each run's recompute against its
+        forward; the first divergence (its case file saved) and the first recompute that differs."""
+        cand, ref = self.runs[0], self.runs[1]
+        bitwise = {(name, gemm): same(cand.probes[name].results()[gemm], ref.probes[name].results()[gemm])
+                   for name in cand.probes for gemm in GEMMS}
+        if self.divergence is None:
+            first = next((key for key in execution_order(cand.state.order) if not bitwise[key]), None)
+            if first is not None:
+                self.divergence = Divergence(step, *first, micro=micro, grad_accum=self.plan.grad_accum)
+                if self.out_dir is not None:
+                    self.divergence.case_file = _save_divergence(self.divergence, cand, ref, self.previous, self.plan,
+                                                                 self.out_dir)
+        if self.divergence is None:  # the operands of this call, for a case file of a divergence at the next;
+            # the weight is copied at a step's last micro-batch only: before that, no optimizer step changes it
+            last_micro = micro == self.plan.grad_accum - 1
+            self.previous = {name: probe.operands(copy=last_micro) for name, probe in cand.probes.items()
+                             if probe.call is not None and probe.call.grad_output is not None}
+        recomputed = {run.role: {name: probe.recompute_bitwise() for name, probe in run.probes.items()}
+                      for run in self.runs}
+        if self.recompute_differs is None:
+            self.recompute_differs = next(((step, micro, name) for name in cand.state.order
+                                           if recomputed["candidate"][name] is False), None)
+        return bitwise, recomputed
+
+    def _rows(self, step: int, micro: int, sampled: bool, bitwise: dict, recomputed: dict) -> list[dict]:
+        """One row per run, layer and GEMM of the micro-batch, with the numerics at a sampled step."""
+        rows = []
+        for run in self.runs:
+            numerics = {name: gemm_numerics(probe, run.impl.recipe) for name, probe in run.probes.items()} \
+                if sampled else {}
+            for name in run.probes:
+                for gemm in GEMMS:
+                    rows.append(dict(
+                        step=step, micro=micro, role=run.role, impl=run.impl.name, recipe=run.impl.recipe.name,
+                        seed=run.seed, layer=name, gemm=gemm, sampled=sampled,
+                        bitwise=bitwise[name, gemm] if run is self.runs[0] else None,
+                        recompute_bitwise=recomputed[run.role][name] if gemm == "output" else None,
+                        **numerics.get(name, {}).get(gemm, {})))
+        return rows
 
 
 def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
@@ -550,93 +370,20 @@ def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
     """Train every run of `plan` in lockstep; the rows, the first divergence (its case file written
     into `out_dir`, when given), the timing and the verdict."""
     start = time.perf_counter()
-    candidate = load_impl(plan.impl, form=plan.form, recipe=plan.recipe)
-    against = load_impl(plan.against) if plan.against else default_reference(candidate, torch.device(plan.device).type)
-    baseline = load_impl(plan.baseline)
-    impls = {"candidate": candidate, "against": against, "baseline": baseline, "baseline_seed": baseline}
+    impls = _load_impls(plan)
     models = Models.build(plan)
     runs = [build_run(role, impl, models, seed=plan.seed + (role == "baseline_seed"), plan=plan)
             for role, impl in impls.items()]
     source, micro_batches = _micro_batches(plan, models.shape)
-    bitwise_required = default_policy(candidate, against) is Policy.BITWISE
-    rows: list[dict] = []
-    timing: list[dict] = []
-    divergence, loss_differs_at, previous, crash, recompute_differs = None, None, None, None, None
-    loss_scale = 1.0 / plan.grad_accum
+    bitwise_required = default_policy(impls["candidate"], impls["against"]) is Policy.BITWISE
+    lockstep = _Lockstep(plan, runs, out_dir)
     for step in range(plan.steps):
-        sampled = plan.sampled(step)
-        phases = dict.fromkeys(("train_s", "compare_s", "numerics_s"), 0.0)
-        step_rows: list[dict] = []
-        step_start = _clock(plan.device)
-        for micro, batch in enumerate(micro_batches[step]):
-            batch = batch.to(plan.device)
-            begin = _clock(plan.device)
-            run = runs[0]
-            try:  # os._exit raises too: a run cut short must never read as a pass
-                with sandbox.exits_raise():
-                    for run in runs:
-                        forward_backward(run, batch, loss_scale=loss_scale, device=plan.device)
-            except TrainError:
-                raise  # the harness cannot run this model as asked: not a finding about the implementation
-            except (Exception, SystemExit) as err:  # noqa: BLE001 - an implementation that raises is a finding
-                where = f" (micro-batch {micro})" if plan.grad_accum > 1 else ""
-                crash = f"{run.impl.name} ({run.role}) raised at step {step}{where}: {type(err).__name__}: {err}"
-                break
-            compared = _clock(plan.device)
-            phases["train_s"] += compared - begin
-            cand, ref = runs[0], runs[1]
-            bitwise = {(name, gemm): _same(cand.probes[name].results()[gemm], ref.probes[name].results()[gemm])
-                       for name in cand.probes for gemm in GEMMS}
-            if divergence is None:
-                first = next((key for key in execution_order(cand.state.order) if not bitwise[key]), None)
-                if first is not None:
-                    divergence = Divergence(step, *first, micro=micro, grad_accum=plan.grad_accum)
-                    if out_dir is not None:
-                        divergence.case_file = _save_divergence(divergence, cand, ref, previous, plan, out_dir)
-            if divergence is None:  # the operands of this call, for a case file of a divergence at the next;
-                # the weight is copied at a step's last micro-batch only: before that, no optimizer step changes it
-                last_micro = micro == plan.grad_accum - 1
-                previous = {name: probe.operands(copy=last_micro) for name, probe in cand.probes.items()
-                            if probe.call is not None and probe.call.grad_output is not None}
-            recomputed = {run.role: {name: probe.recompute_bitwise() for name, probe in run.probes.items()}
-                          for run in runs}
-            if recompute_differs is None:
-                recompute_differs = next(((step, micro, name) for name in cand.state.order
-                                          if recomputed["candidate"][name] is False), None)
-            numerics_start = _clock(plan.device)
-            phases["compare_s"] += numerics_start - compared
-            for run in runs:
-                numerics = {name: gemm_numerics(probe, run.impl.recipe) for name, probe in run.probes.items()} \
-                    if sampled else {}
-                for name in run.probes:
-                    for gemm in GEMMS:
-                        step_rows.append(dict(
-                            step=step, micro=micro, role=run.role, impl=run.impl.name, recipe=run.impl.recipe.name,
-                            seed=run.seed, layer=name, gemm=gemm, sampled=sampled,
-                            bitwise=bitwise[name, gemm] if run is cand else None,
-                            recompute_bitwise=recomputed[run.role][name] if gemm == "output" else None,
-                            **numerics.get(name, {}).get(gemm, {})))
-            phases["numerics_s"] += _clock(plan.device) - numerics_start
-        if crash is not None:
+        if not lockstep.step(step, micro_batches[step]):
             break
-        optimizer_start = _clock(plan.device)
-        for run in runs:
-            finish_step(run)
-        if divergence is None and loss_differs_at is None and runs[0].loss != runs[1].loss:
-            loss_differs_at = step
-        step_end = _clock(plan.device)
-        phases["train_s"] += step_end - optimizer_start
-        seconds = step_end - step_start
-        by_role = {run.role: run for run in runs}
-        for row in step_rows:
-            run = by_role[row["role"]]
-            row.update(loss=run.loss, grad_norm=run.grad_norm, step_seconds=seconds)
-        rows += step_rows
-        timing.append(dict(step=step, sampled=sampled, seconds=seconds, **phases))
         if progress is not None:
             progress(step + 1, plan.steps)
-    frame = pd.DataFrame.from_records(rows)
-    timing_frame = pd.DataFrame.from_records(timing, columns=["step", "sampled", "seconds", *phases])
+    frame = pd.DataFrame.from_records(lockstep.rows)
+    timing_frame = pd.DataFrame.from_records(lockstep.timing, columns=["step", "sampled", "seconds", *PHASES])
     total = time.perf_counter() - start
     frame.attrs["env"] = dict(
         environment(plan.device), model=plan.model, steps=plan.steps, grad_accum=plan.grad_accum,
@@ -644,8 +391,8 @@ def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
         entropy_rate=None if source.entropy_rate is None else round(source.entropy_rate, 6), seconds=round(total, 1),
         seconds_per_step=round(float(timing_frame["seconds"].mean()), 4) if len(timing_frame) else None)
     result = TrainResult(plan, frame, source, {run.role: run.impl.name for run in runs}, bitwise_required,
-                         divergence, loss_differs_at, crash, total, layers=list(runs[0].probes),
-                         timing=timing_frame, recompute_differs=recompute_differs)
+                         lockstep.divergence, lockstep.loss_differs_at, lockstep.crash, total,
+                         layers=list(runs[0].probes), timing=timing_frame, recompute_differs=lockstep.recompute_differs)
     result.verdict = train_verdict(result)
     return result
 
@@ -684,10 +431,7 @@ def run_plain(plan: TrainPlan, roles: tuple[str, ...] = ROLES) -> dict:
     """The plan's runs of `roles` trained in lockstep WITHOUT probes, comparisons or numerics: each
     micro-batch's forward, backward and loss.item() (a training loop logs its loss), each step's
     optimizer step. {"seconds", "seconds_per_step", "losses" (role -> last step's loss)}."""
-    candidate = load_impl(plan.impl, form=plan.form, recipe=plan.recipe)
-    against = load_impl(plan.against) if plan.against else default_reference(candidate, torch.device(plan.device).type)
-    baseline = load_impl(plan.baseline)
-    impls = {"candidate": candidate, "against": against, "baseline": baseline, "baseline_seed": baseline}
+    impls = _load_impls(plan)
     models = Models.build(plan)
     runs = [build_run(role, impls[role], models, seed=plan.seed + (role == "baseline_seed"), plan=plan,
                       instrument=False) for role in roles]

@@ -10,6 +10,7 @@ underflow. Runs that are bitwise equal draw the same curve; the line styles keep
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import pandas as pd
 
 from parity.recipes import GEMMS, get_recipe
 from parity.report import write_report
-from parity.train import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, TrainResult, losses_per_step, loss_table
+from parity.train import loss_table, losses_per_step
+from parity.train_plan import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, TrainResult
 
 # Heatmaps write each cell's value into it while the grid is small enough to read them.
 ANNOTATE_MAX_LAYERS, ANNOTATE_MAX_STEPS = 16, 12
@@ -127,14 +129,25 @@ def layer_step_grid(result: TrainResult, column: str, gemm: str, *, worst: str) 
     return grid.reindex(index=[name for name in result.layers if name in grid.index])
 
 
-def _draw_grid(fig, axes, grid: pd.DataFrame, *, title: str, cmap: str, vmin: float, vmax: float, fmt: str,
-               show_layers: bool, annotate_zero: bool = True):
-    """One heatmap panel: layers down, sampled steps across; blank where there is no value. Small grids
-    get each cell's value written in (not zeros when `annotate_zero` is False: an underflow map is
+@dataclass(frozen=True)
+class HeatScale:
+    """How a heatmap colours and writes its values: the colour map over [low, high], the format of a
+    value written into its cell, and whether zeros are written (not in an underflow map: it is
     mostly zeros, and the few cells that are not are what the reader looks for)."""
+
+    cmap: str
+    low: float
+    high: float
+    fmt: str
+    annotate_zero: bool = True
+
+
+def _draw_grid(axes, grid: pd.DataFrame, scale: HeatScale, *, title: str, show_layers: bool):
+    """One heatmap panel: layers down, sampled steps across; blank where there is no value. Small grids
+    get each cell's value written in."""
     values = grid.to_numpy(dtype=float)
-    image = axes.imshow(np.where(np.isfinite(values), values, np.nan), cmap=cmap, vmin=vmin, vmax=vmax,
-                        aspect="auto", interpolation="nearest")
+    image = axes.imshow(np.where(np.isfinite(values), values, np.nan), cmap=scale.cmap, vmin=scale.low,
+                        vmax=scale.high, aspect="auto", interpolation="nearest")
     steps = list(grid.columns)
     stride = max(1, math.ceil(len(steps) / 12))  # at most ~12 step labels
     axes.set_xticks(range(0, len(steps), stride), [str(s) for s in steps[::stride]], fontsize=7)
@@ -146,10 +159,10 @@ def _draw_grid(fig, axes, grid: pd.DataFrame, *, title: str, cmap: str, vmin: fl
     axes.set_title(title, fontsize=8)
     if len(grid.index) <= ANNOTATE_MAX_LAYERS and len(steps) <= ANNOTATE_MAX_STEPS:
         for (i, j), value in np.ndenumerate(values):
-            if np.isfinite(value) and (annotate_zero or value != 0):
+            if np.isfinite(value) and (scale.annotate_zero or value != 0):
                 red, green, blue, _ = image.cmap(image.norm(value))
                 dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5  # white text on a dark cell
-                axes.text(j, i, format(value, fmt), ha="center", va="center", fontsize=5,
+                axes.text(j, i, format(value, scale.fmt), ha="center", va="center", fontsize=5,
                           color="white" if dark else "black")
     return image
 
@@ -179,8 +192,7 @@ def plot_sqnr_heatmap(fig, result: TrainResult) -> None:
     axes = fig.subplots(1, len(GEMMS), sharey=True, squeeze=False)[0]
     image = None
     for index, (ax, (gemm, grid)) in enumerate(zip(axes, grids.items())):
-        image = _draw_grid(fig, ax, grid, title=gemm, cmap="viridis", vmin=low, vmax=high, fmt=".0f",
-                           show_layers=index == 0)
+        image = _draw_grid(ax, grid, HeatScale("viridis", low, high, ".0f"), title=gemm, show_layers=index == 0)
     fig.colorbar(image, ax=list(axes), label="SQNR vs float64 (dB)", shrink=0.9)
     micro = "; the worst micro-batch of a step" if result.plan.grad_accum > 1 else ""
     fig.suptitle(f"SQNR against float64 per layer and sampled step{micro}\n{result.runs['candidate']} "
@@ -201,9 +213,8 @@ def plot_underflow_heatmap(fig, result: TrainResult) -> None:
         row, column = "ab".index(side), GEMMS.index(gemm)
         cast = getattr(recipe.gemm(gemm), side)
         operand = recipe.gemm(gemm).operands["ab".index(side)]
-        image = _draw_grid(fig, axes[row][column], grid, title=f"{gemm}\n{side} = {operand} ({cast.short_str()})",
-                           cmap="magma_r", vmin=low, vmax=high, fmt=".2g", show_layers=column == 0,
-                           annotate_zero=False)
+        image = _draw_grid(axes[row][column], grid, HeatScale("magma_r", low, high, ".2g", annotate_zero=False),
+                           title=f"{gemm}\n{side} = {operand} ({cast.short_str()})", show_layers=column == 0)
     fig.colorbar(image, ax=[ax for line in axes for ax in line], label="non-zero values quantized to zero (%)",
                  shrink=0.9)
     micro = "; the worst micro-batch of a step" if result.plan.grad_accum > 1 else ""

@@ -177,7 +177,7 @@ def test_progress_in_a_log_beats_while_a_case_runs_and_stops_with_the_command(mo
     nothing else is printed, and nothing once the command is over."""
     import time
 
-    from parity.cli import Progress
+    from parity.progress import Progress
     monkeypatch.setattr(Progress, "HEARTBEAT_S", 0.2)
     with Progress(True, "cases", bar=False) as progress:
         progress(3, 100)

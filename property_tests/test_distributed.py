@@ -1,4 +1,5 @@
-"""FP8 training under DDP and FSDP2: fp8_impl against torchao, step by step, bitwise.
+"""FP8 training under DDP and FSDP2: fp8_impl and your own implementation against torchao, step by
+step, bitwise; and `fp8-parity check --distributed`.
 
 All CPU runs share ONE launch of two gloo ranks (spawning processes that import torch is the
 cost); each rank trains every (mode, impl) pair in turn from the same weights and batch.
@@ -16,6 +17,8 @@ batch 32, 3 SGD steps):
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import time
 
@@ -23,10 +26,13 @@ import pytest
 import torch
 from torch import nn
 
-from parity.distributed import (IMPLS, DistributedRunError, RunResult, TrainSpec, build_model, compare_runs,
+from parity.distributed import (DistributedRunError, RunResult, TrainSpec, build_model, compare_runs,
                                 make_batch, run_distributed_parity, run_single_process)
+from parity.cli import main
+from parity.cmd_distributed import first_difference
+from parity.impls import FSDP_FLOAT8_ALL_GATHER
 
-FP8_IMPL, TORCHAO, TORCHAO_FP8_ALL_GATHER = IMPLS
+FP8_IMPL, TORCHAO, TORCHAO_FP8_ALL_GATHER = "fp8_impl", "torchao:tensorwise", FSDP_FLOAT8_ALL_GATHER
 RUNS = [("ddp", FP8_IMPL), ("ddp", TORCHAO), ("fsdp2", FP8_IMPL), ("fsdp2", TORCHAO), ("fsdp2", TORCHAO_FP8_ALL_GATHER)]
 SPEC = TrainSpec()
 
@@ -115,7 +121,8 @@ def test_launch_timeout_terminates_the_workers():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(runs=[("zero3", FP8_IMPL)]), "unknown mode 'zero3'"),
-    (dict(runs=[("ddp", "torchao:rowwise")]), "unknown impl 'torchao:rowwise'"),
+    # an implementation that does not load (parity.impls.load_impl's message) is refused before spawning
+    (dict(runs=[("ddp", "torchao:colwise")]), "unknown implementation 'torchao:colwise'"),
     (dict(runs=[]), "runs is empty"),
     (dict(runs=[("ddp", FP8_IMPL)], backend="nccl"), "backend='nccl' needs device='cuda'"),
     (dict(runs=[("ddp", FP8_IMPL)], world_size=3), "does not split evenly over world_size=3"),
@@ -132,3 +139,110 @@ def test_nccl_fp8_impl_bitwise_equal_to_torchao():
     assert not any(r.error for r in results.values()), {k: r.error for k, r in results.items()}
     for mode in ("ddp", "fsdp2"):
         assert_bitwise(results[mode, FP8_IMPL], results[mode, TORCHAO])
+
+
+# ---- your own implementation, in each of the three forms, and `fp8-parity check --distributed` --------
+
+USER_IMPLS = '''
+import torch
+from fp8_impl import Float8Linear, convert_to_float8_training, float8_matmul
+
+
+def matmul(input_2d, weight):  # the function form
+    return float8_matmul(input_2d, weight)
+
+
+def convert(model):  # the converter form
+    return convert_to_float8_training(model)
+
+
+class OutputScaled(Float8Linear):  # the module form, wrong: its output is 1 + 2**-6 too large
+    def forward(self, input):
+        return super().forward(input) * (1 + 2 ** -6)
+'''
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("user") / "my_fp8.py"
+    path.write_text(USER_IMPLS)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def user_runs(user_file) -> dict[tuple[str, str], RunResult]:
+    runs = [("ddp", f"{user_file}:matmul"), ("fsdp2", f"{user_file}:matmul"), ("ddp", f"{user_file}:convert"),
+            ("ddp", f"{user_file}:OutputScaled"), ("ddp", TORCHAO), ("fsdp2", TORCHAO)]
+    results = run_distributed_parity(runs, SPEC, backend="gloo", world_size=2, device="cpu")
+    failed = {key: result.error for key, result in results.items() if result.error}
+    assert not failed, f"runs failed: {failed}"
+    return results
+
+
+@pytest.mark.parametrize(("mode", "attr"), [("ddp", "matmul"), ("fsdp2", "matmul"), ("ddp", "convert")])
+def test_your_implementation_in_each_form_is_loaded_by_each_rank(user_runs, user_file, mode, attr):
+    # each form converts every nn.Linear as `train` does; the gradients keep the nn.Linear's names
+    assert_bitwise(user_runs[mode, f"{user_file}:{attr}"], user_runs[mode, TORCHAO])
+
+
+def test_a_wrong_implementation_of_yours_differs(user_runs, user_file):
+    rows = compare_runs(user_runs["ddp", f"{user_file}:OutputScaled"], user_runs["ddp", TORCHAO])
+    assert rows[0]["step"] == 0 and rows[0]["loss_diff"] > 0 and not any(r["bitwise"] for r in rows)
+
+
+def check_distributed(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(["check", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_check_distributed_passes_your_implementation(user_file, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code, text, err = check_distributed(["--impl", f"{user_file}:matmul", "--distributed", "ddp", "--device", "cpu",
+                                         "--json", str(out)], capsys)
+    assert code == 0, text + err
+    assert text.startswith(f"PASS: {user_file}:matmul is bitwise equal to torchao:tensorwise under ddp on 2 gloo "
+                           f"rank(s) (cpu)"), text
+    result = json.loads(out.read_text())
+    assert result["verdict"] == "pass" and result["first_difference"] is None
+    assert result["against"] == "torchao:tensorwise" and result["world_size"] == 2
+    assert len(result["losses"]["impl"]) == SPEC.steps
+
+
+def test_check_distributed_names_the_first_differing_step_and_parameter(user_file, capsys):
+    code, text, err = check_distributed(["--impl", f"{user_file}:OutputScaled", "--form", "module", "--distributed",
+                                         "fsdp2", "--world-size", "2", "--device", "cpu", "--quiet"], capsys)
+    assert code == 1, text + err
+    # the output is wrong in the forward: the loss of step 0 already differs
+    assert text.startswith(f"FAIL: {user_file}:OutputScaled differs from torchao:tensorwise under fsdp2 on 2 gloo "
+                           f"rank(s) (cpu): first at step 0, the loss ("), text
+
+
+def test_check_distributed_names_the_first_differing_gradient():
+    # a gradient that differs while the loss agrees: the first parameter, in the model's order
+    grads = {"0.weight": torch.ones(2), "0.bias": torch.ones(1)}
+    a = RunResult("ddp", "a", losses=[1.0], grads=[grads])
+    b = RunResult("ddp", "b", losses=[1.0], grads=[dict(grads, **{"0.bias": torch.zeros(1)})])
+    first = first_difference(a, b)
+    assert (first["step"], first["what"], first["param"], first["gradients_differing"]) == (0, "gradient", "0.bias", 1)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--world-size", "2"], "--world-size 2 sets the ranks of --distributed: add --distributed ddp"),
+    (["--distributed", "ddp", "--case", "M16K16N16"], "--case chooses or judges cases"),
+    (["--distributed", "ddp", "--no-oracle"], "--no-oracle chooses or judges cases"),
+    (["--distributed", "ddp", "--against", "fp8_impl"], "--against fp8_impl is --impl itself"),
+    (["--distributed", "zero3"], "argument --distributed: invalid choice: 'zero3'"),
+    (["--distributed", "ddp", "--world-size", "0"], "must be an integer from 1 to 64, got '0'"),
+])
+def test_check_distributed_bad_usage_is_one_line_and_exit_2(argv, message, capsys):
+    with contextlib.suppress(SystemExit):  # argparse's own errors exit 2 themselves
+        assert main(["check", "--impl", FP8_IMPL, "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="cannot-run needs fewer than 2 GPUs")
+def test_check_distributed_without_a_gpu_per_rank_cannot_run(capsys):
+    code = main(["check", "--impl", FP8_IMPL, "--distributed", "ddp", "--device", "cuda"])
+    assert code == 125 and "cannot run here" in capsys.readouterr().err

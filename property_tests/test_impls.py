@@ -156,6 +156,7 @@ def test_the_entry_point_starts_no_worker_for_a_builtin(name):
     (["sweep", "--impl", "torchao:rowwise", "--impl", "mypkg.fp8:Linear", "--device", "cpu"], "cpu"),
     (["report", "--impl", f"{MUTANTS}:correct"], None),  # a command that runs no implementation
     (["check", "--impl", f"{MUTANTS}:correct", "--device", "tpu"], None),  # cli.main says what is wrong
+    (["check", "--impl", f"{MUTANTS}:correct", "--distributed", "ddp", "--device", "cpu"], None),  # its ranks load it
 ])
 def test_the_entry_point_reads_which_worker_a_command_needs(argv, device):
     from parity.entry import worker_device

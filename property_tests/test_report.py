@@ -475,7 +475,7 @@ def test_diff_of_runs_of_other_cases_says_so_first(results):
 
 
 def test_the_eta_weighs_cases_by_their_work():
-    from parity.cli import Progress
+    from parity.progress import Progress
     fixed, per_unit = 1.0, 1e-6  # seconds per case, and per multiply-add
     progress = Progress(True, "cases")
     works = [1e6, 1e6, 1e6, 1e4, 1e4, 1e4] + [1e4] * 10  # three large cases, then small ones

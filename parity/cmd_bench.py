@@ -1,0 +1,52 @@
+"""`fp8-parity bench` (forward+backward time of each implementation on a GPU) and `fp8-parity
+throughput` (cases per second of the harness itself)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from parity import cmd_inputs
+from parity.bench import DEFAULT_IMPLS, PRESETS, NoGPUError, bench_verdict, run_bench, write_bench_report
+from parity.exits import EXIT_FAIL, EXIT_PASS, CannotRun
+from parity.impls import load_impl
+from parity.progress import Progress
+from parity.throughput import measure
+
+
+def cmd_bench(args) -> int:
+    if not torch.cuda.is_available():  # before anything is printed or created
+        raise CannotRun("no CUDA device is available: bench measures GPU kernels (there is no CPU benchmark)")
+    impls = [load_impl(name) for name in args.impl or DEFAULT_IMPLS]
+    presets = [PRESETS[name] for name in dict.fromkeys(args.preset or ["small"])]
+    modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
+    out = args.out or cmd_inputs.default_report_dir()
+    names = "+".join(p.name for p in presets)
+    print(f"fp8-parity bench: preset {names}, {sum(len(p.shapes) for p in presets)} shapes x {len(impls)} "
+          f"implementations x {len(modes)} compile modes", file=sys.stderr)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with Progress(not args.quiet, "configurations") as progress:
+            frame = run_bench(presets, impls, compile_modes=modes, device=args.device, warmup=args.warmup,
+                              iters=args.iters, progress=progress, checkpoint=out / "partial.csv")
+    except NoGPUError as err:
+        raise CannotRun(str(err)) from None
+    judged = bench_verdict(frame, candidate=impls[0].name)
+    written = write_bench_report(frame, out, title=f"fp8-parity bench: {names} on {frame.attrs['env']['gpu']}",
+                                 verdict=judged)
+    (out / "partial.csv").unlink(missing_ok=True)  # the complete table is written
+    print(judged.headline)
+    print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
+    return EXIT_PASS if judged.ok else EXIT_FAIL
+
+
+def cmd_throughput(args) -> int:
+    device = cmd_inputs.device(args.device)
+    result = measure(device=device, workers=args.workers, cases=args.cases)
+    print(f"{result['cases_per_second']} cases/s: {result['cases']} small cases (candidate fp8_impl, torchao "
+          f"reference, exact emulation, metrics, policy) in {result['seconds']} s on {device} with "
+          f"{result['workers']} worker(s)")
+    if result["phase_share"]:
+        print("host time per phase: " + ", ".join(f"{k} {v:.0%}" for k, v in result["phase_share"].items()))
+    return EXIT_PASS

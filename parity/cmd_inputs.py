@@ -1,0 +1,58 @@
+"""The checks of arguments that several commands share, each a UsageError or CannotRun with one
+clear line: the device to run on, output paths that must be writable, the cases named with --case
+or --case-file, and the default report directory."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from parity.cases import check_fits, parse_case_id
+from parity.check import resolve_device
+from parity.data import saved_case
+from parity.exits import CannotRun, UsageError
+from parity.outputs import OutputError, check_writable_dir, check_writable_file
+
+
+def writable_file(path: Path | None, flag: str) -> None:
+    """UsageError unless `path` (given with `flag`; None: not given) can be written."""
+    if path is not None:
+        try:
+            check_writable_file(path)
+        except OutputError as err:
+            raise UsageError(f"{flag} {path}: {err}") from None
+
+
+def writable_dir(path: Path, flag: str) -> None:
+    """UsageError unless `path` (given with `flag`) is, or can be made, a writable directory."""
+    try:
+        check_writable_dir(path)
+    except OutputError as err:
+        raise UsageError(f"{flag} {path}: {err}") from None
+
+
+def named_cases(ids: list[str], device: str):
+    """The cases of --case CASE_ID, each checked to fit on `device`."""
+    return [check_fits(parse_case_id(case_id), device) for case_id in ids]
+
+
+def case_file(path: Path | None, case_ids, device: str):
+    """The case of --case-file PATH (None without one); --case and --case-file exclude each other."""
+    if path is None:
+        return None
+    if case_ids:
+        raise UsageError("--case-file runs the file's tensors: leave out --case")
+    return check_fits(saved_case(path), device)
+
+
+def device(requested: str) -> str:
+    """The device to run on (cuda if present for "auto"), or CannotRun with the reason."""
+    resolved, reason = resolve_device(requested)
+    if resolved is None:
+        raise CannotRun(reason)
+    return resolved
+
+
+def default_report_dir() -> Path:
+    """reports/<timestamp>/, where a command writes its report without --out."""
+    return Path("reports") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

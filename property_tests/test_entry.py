@@ -1,0 +1,65 @@
+"""The console script's shape: parity.entry starts before torch, and the table of commands, the
+parser and the command modules agree."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity import cli, commands, entry, exits
+
+PARITY = Path(entry.__file__).parent
+
+
+def test_the_entry_point_imports_without_torch():
+    # its point: a worker starts before this process pays for torch (a fresh interpreter: this one has it)
+    code = ("import sys, parity.entry; loaded = [m for m in ('torch', 'parity.cli') if m in sys.modules]; "
+            "print(loaded); sys.exit(1 if loaded else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _parity_imports(module) -> set[str]:
+    """The parity modules `module` imports anywhere in its source (functions included)."""
+    names = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("parity"):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.startswith("parity"))
+    return names
+
+
+@pytest.mark.parametrize("module", [commands, exits])
+def test_the_modules_entry_and_cli_share_import_no_harness(module):
+    # no circle through them: parity.entry and parity.cli both read them
+    assert _parity_imports(module) == set()
+
+
+def test_the_entry_point_imports_cli_only_in_main():
+    assert _parity_imports(entry) == {"parity.commands", "parity.worker", "parity.cli"}
+    assert "parity.cli" not in {node.module for node in ast.parse(inspect.getsource(entry)).body
+                                if isinstance(node, ast.ImportFrom)}
+
+
+def test_every_command_of_the_parser_has_a_body_and_no_other():
+    subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert list(subparsers.choices) == ["check", "sweep", "bisect", "bench", "throughput", "train", "report", "diff",
+                                        "test"]
+    assert set(subparsers.choices) == set(commands.COMMANDS)
+    for name in commands.COMMANDS:
+        assert callable(commands.command(name)), name
+    assert set(commands.RUNS_YOUR_CODE) <= set(commands.COMMANDS)
+
+
+def test_no_command_module_imports_another_or_the_parser():
+    # the bodies are leaves under parity.cli: a body that needs another's helper takes it from a shared module
+    bodies = {spec.partition(":")[0] for spec in commands.COMMANDS.values()}
+    for path in sorted(PARITY.glob("cmd_*.py")):
+        imported = _parity_imports(__import__(f"parity.{path.stem}", fromlist=["_"]))
+        assert "parity.cli" not in imported and not (imported & bodies), (path.name, imported & bodies)
