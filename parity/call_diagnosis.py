@@ -25,7 +25,8 @@ from parity.cases import Case
 from parity.contract import ScaledMMCall
 from parity.data import StepData
 from parity.findings import Finding
-from parity.mistakes import Hypothesis, OperandSources, operand_hypotheses, quantize_mistaken, strides_ignored
+from parity.mistakes import Hypothesis, operand_hypotheses, quantize_mistaken
+from parity.operand_sources import OperandSources, strides_ignored
 from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe
 from parity.vocabulary import BugClass, Kind, Operand, Stage, Tensor
 

@@ -28,7 +28,7 @@ from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Match, diagnose_behaviou
                              high_precision_closeness)
 from parity.localization import Localization, Outcome, gemm_order
 from parity.metrics import compare
-from parity.mistakes import strides_ignored
+from parity.operand_sources import strides_ignored
 from parity.policy import Violation
 from parity.recipes import GEMMS, OPERANDS, Recipe
 from parity.runner import Execution, emulated_steps_of, execute

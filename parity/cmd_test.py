@@ -10,7 +10,7 @@ import pytest
 from parity import cmd_inputs
 from parity.exits import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_SIGNAL, EXIT_USAGE
 from parity.impls import load_impl
-from parity.pytest_plugin import SHIPPED_SUITE
+from parity.suite import shipped_suite
 from parity.recipes import get_recipe
 
 # pytest: 0 passed, 1 tests failed, 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected
@@ -28,7 +28,7 @@ def cmd_test(args) -> int:
     if args.against:
         load_impl(args.against)
     extra = [a for a in args.pytest_args if a != "--"]
-    argv = [str(SHIPPED_SUITE), "--fp8-impl", args.impl, "--fp8-device", args.device, "-p", "no:cacheprovider",
+    argv = [str(shipped_suite()), "--fp8-impl", args.impl, "--fp8-device", args.device, "-p", "no:cacheprovider",
             *(["--fp8-against", args.against] if args.against else []),
             *(["--fp8-recipe", args.recipe] if args.recipe else []),
             *(["--fp8-case", args.case] if args.case else []),

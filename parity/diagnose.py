@@ -48,10 +48,11 @@ from parity.call_diagnosis import (OperandExplanation, StageFinding, _same, assi
 from parity.data import StepData
 from parity.findings import Finding
 from parity.metrics import compare, sqnr_db
+from parity.mistakes import (NARROWER, Hypothesis, high_precision_hypotheses, operand_hypotheses, quantize_mistaken,
+                             rounded_before_cast, scaled_over)
+from parity.operand_sources import OperandSources
 from parity.oracles import Quantized
-from parity.mistakes import (NARROWER, Hypothesis, OperandSources, high_precision_hypotheses, operand_hypotheses,
-                             quantize_mistaken, result_mistakes, rounded_before_cast, scaled_over, Explanation,
-                             ResultMistake)
+from parity.result_mistakes import Explanation, ResultMistake, result_mistakes
 from parity.recipes import Cast, Recipe, Scaling
 from parity.vocabulary import BugClass, Kind, Operand, Stage, Tensor
 

@@ -1,5 +1,6 @@
-"""The space of mistakes bisect tries, as data: every way one operand's cast can go wrong, where its
-values come from, and what can be done wrong to a GEMM's result after the GEMM.
+"""The space of mistakes bisect tries, as data: every way one operand's cast can go wrong, and where its
+values come from (read from the data by parity.operand_sources; the result's mistakes are
+parity.result_mistakes').
 
 parity.diagnose compares what a GEMM was handed (a recorded call) or what it computed (its result)
 with what each hypothesis here says the GEMM would get: one mistake in the cast of one operand
@@ -18,16 +19,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Iterable, Sequence
+from typing import Callable
 
 import torch
 
 from parity import oracles
-from parity.cases import Case, Layout
-from parity.data import StepData, materialize
 from parity.oracles import Quantized
-from parity.recipes import BLOCK, FP8_FORMATS, GEMMS, Cast, Fp8Format, Recipe
-from parity.vocabulary import BugClass, Operand, Word
+from parity.recipes import BLOCK, FP8_FORMATS, Cast, Fp8Format, Recipe
+from parity.vocabulary import BugClass, Word
 
 
 class OperandStage(Word):
@@ -167,6 +166,11 @@ def _first_group_amax(groups: torch.Tensor) -> torch.Tensor:
 def _amax_from(other: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """The amax of another tensor of the operand's shape (delayed scaling: the previous call's)."""
     return oracles.group_amax(other.reshape(groups.shape))
+
+
+def with_amax_of(hypothesis: Hypothesis, other: torch.Tensor) -> Hypothesis:
+    """`hypothesis` (delayed scaling) with its amax taken from `other`, a tensor of the operand's shape."""
+    return replace(hypothesis, transform=partial(_amax_from, other))
 
 
 def _scale_in_bf16(amax: torch.Tensor, fp8_max: float, **rounding) -> torch.Tensor:
@@ -560,202 +564,3 @@ def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> lis
     """Every mistake tried on an operand cast with `cast` under `recipe`, laid out [rows, inner], in ORDER."""
     families = hypothesis_families(cast, recipe, rows, inner)
     return [hypothesis for key in ORDER for hypothesis in families[key]]
-
-
-# ---- what a GEMM's operands are, from the data -------------------------------------------------
-
-@dataclass
-class OperandSources:
-    """Where an operand's values can come from: the step's tensors and the alternatives the
-    hypotheses need (the previous call's, the case's memory read with contiguous strides)."""
-
-    step: StepData
-    previous: StepData | None = None
-    strided: StepData | None = None  # each non-contiguous operand read as if contiguous (None: all are)
-
-    def quantized(self, hypothesis: Hypothesis, gemm: str, role: str, cast: Cast, recipe: Recipe,
-                  shape: tuple[int, ...]) -> Quantized | None:
-        """The operand `hypothesis` says the GEMM got, or None where the hypothesis cannot apply (no
-        previous call, another shape, a tile that does not divide it)."""
-        source = self.view(gemm, role, hypothesis.source)
-        if source is None or tuple(source.shape) != tuple(shape):
-            return None
-        if hypothesis.amax_source != Source.SAME:
-            amax_of = self.view(gemm, role, hypothesis.amax_source)
-            if amax_of is None or tuple(amax_of.shape) != tuple(shape):
-                return None
-            hypothesis = replace(hypothesis, transform=partial(_amax_from, amax_of))
-        return quantize_mistaken(source, cast, recipe, hypothesis)
-
-    def view(self, gemm: str, role: str, source: str) -> torch.Tensor | None:
-        base = {Source.SAME: self.step, Source.PREVIOUS: self.previous, Source.STRIDES_IGNORED: self.strided,
-                Source.TRANSPOSED: self.step, Source.RESHAPED: self.step, Source.RESHAPED_FROM_TRANSPOSE: self.step,
-                Source.LEADING_SWAPPED: self.step}[source]
-        if base is None:
-            return None
-        if source == Source.LEADING_SWAPPED:  # N-D input and grad_output flattened with their first two dims swapped
-            if base.input.dim() < 3:
-                return None
-            base = StepData(base.input.transpose(0, 1), base.weight, base.grad_output.transpose(0, 1))
-        K, N = base.input.shape[-1], base.weight.shape[0]
-        views = oracles.operand_views(base.input.reshape(-1, K), base.weight, base.grad_output.reshape(-1, N))
-        operand = views[gemm][0 if role == "a" else 1]
-        rows, inner = operand.shape
-        if source == Source.TRANSPOSED:
-            return operand.t() if rows == inner else None
-        if source == Source.RESHAPED:  # the code holds the operand [rows, inner] and reshapes it where .t() belongs
-            return operand.reshape(inner, rows).t() if rows != inner else None
-        if source == Source.RESHAPED_FROM_TRANSPOSE:  # the code holds its transpose [inner, rows] and does the same
-            return operand.t().reshape(rows, inner) if rows != inner else None
-        return operand
-
-
-def _read_contiguous(values: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """`values` stored in `layout` and read back with contiguous strides over the same storage."""
-    stored = materialize(values, layout)
-    strides = [1] * stored.dim()
-    for i in range(stored.dim() - 2, -1, -1):
-        strides[i] = strides[i + 1] * stored.shape[i + 1]
-    return torch.as_strided(stored, stored.shape, strides).clone()
-
-
-def strides_ignored(step: StepData, case: Case) -> StepData | None:
-    """The step's tensors as an implementation that ignores strides reads them from the case's
-    memory layouts (as_strided with contiguous strides over the same storage); None when every
-    operand is contiguous."""
-    layouts = (case.input_layout, case.weight_layout, case.grad_output_layout)
-    if all(layout is Layout.CONTIGUOUS for layout in layouts):
-        return None
-    return StepData(*(_read_contiguous(values, layout)
-                      for values, layout in zip((step.input, step.weight, step.grad_output), layouts)))
-
-
-# ---- what can be done wrong to a GEMM's result ---------------------------------------------------------
-
-@dataclass(frozen=True)
-class Explanation:
-    """What reproduces a GEMM's result from its exact value: the bug class, the mistake's description
-    and what it blames (an operand whose scale is misapplied, or the result)."""
-
-    category: BugClass
-    description: str
-    operand: str = Operand.RESULT
-
-
-@dataclass(frozen=True)
-class ResultMistake:
-    """One thing done wrong to a GEMM's result after the GEMM (or in it and after it)."""
-
-    description: str
-    bug_class: BugClass
-    # (the exact float64 result, the bias or None) -> the result this mistake writes before the result's
-    # roundings; None where it changes nothing on this result
-    transform: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None]
-    operand: str = Operand.RESULT
-    # matched bit for bit through the roundings (a second rounding leaves results too near the correct
-    # ones for closeness to tell), not within parity.diagnose.MATCH_DB
-    bit_exact: bool = False
-
-    @property
-    def explanation(self) -> Explanation:
-        return Explanation(self.bug_class, self.description, self.operand)
-
-
-def _plus_bias(value: torch.Tensor, bias: torch.Tensor | None, times: int = 1) -> torch.Tensor:
-    return value if bias is None else value + times * bias
-
-
-def _misapplied(wrong: Callable[[torch.Tensor], torch.Tensor]):
-    """A misapplied scale: the result `wrong` makes of the product, with the bias, unless it is the same."""
-    def transform(exact: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        value = wrong(exact)
-        return None if torch.allclose(value, exact) else _plus_bias(value, bias)
-    return transform
-
-
-def _epilogue_mistakes(scales, operands: tuple[str, str], shape: Sequence[int]) -> list[ResultMistake]:
-    """Each way the inverse scales of A (per row) and B (per column) can be misapplied to the product
-    after it (or in it and after it): the exact result is the product times a_inv * b_inv."""
-    if scales is None or tuple(shape) != (scales[0].shape[0], scales[1].shape[1]):
-        return []
-    a_inv, b_inv = scales
-    a_name, b_name = operands
-    return [ResultMistake(description, BugClass.SCALE, _misapplied(wrong), operand) for operand, description, wrong in (
-        (b_name, f"B's ({b_name}) scale multiplied into the result where its inverse belongs",
-         lambda exact: exact / b_inv ** 2),
-        (a_name, f"A's ({a_name}) scale multiplied into the result where its inverse belongs",
-         lambda exact: exact / a_inv ** 2),
-        (Operand.RESULT, "both scales multiplied into the result where their inverses belong",
-         lambda exact: exact / (a_inv ** 2 * b_inv ** 2)),
-        (Operand.RESULT, "the inverse scales applied twice: in the call and again to its result",
-         lambda exact: exact * a_inv * b_inv),
-        (b_name, f"B's ({b_name}) inverse scale never applied to the result", lambda exact: exact / b_inv),
-        (a_name, f"A's ({a_name}) inverse scale never applied to the result", lambda exact: exact / a_inv))]
-
-
-def _nice_factor(ratio: float, case: Case) -> tuple[float, str]:
-    """The factor a least-squares ratio estimates: a power of two or a GEMM dimension (or its
-    inverse) within 1%, else the ratio itself."""
-    nice = {f"2^{k}": 2.0 ** k for k in range(-24, 25)}
-    nice.update({"1/M": 1 / case.M, "1/K": 1 / case.K, "1/N": 1 / case.N, "M": case.M, "K": case.K, "N": case.N})
-    name, value = min(nice.items(), key=lambda item: abs(math.log(abs(ratio) / item[1])) if ratio else math.inf)
-    value = math.copysign(value, ratio)
-    if abs(ratio / value - 1) < 1e-2:
-        return value, f"{value:g} (= {'-' if ratio < 0 else ''}{name})"
-    return ratio, f"{ratio:.4g}"
-
-
-def _rescaled(got: torch.Tensor, exact: torch.Tensor, case: Case) -> list[ResultMistake]:
-    """The result multiplied by the factor its least-squares ratio to the exact result estimates."""
-    got64 = got.detach().to(torch.float64).cpu().reshape(-1, got.shape[-1])
-    ratio = float((got64.nan_to_num() * exact).sum() / (exact * exact).sum()) if exact.abs().sum() > 0 else 1.0
-    if not (math.isfinite(ratio) and abs(ratio - 1) > 1e-3 and ratio != 0):
-        return []
-    factor, name = _nice_factor(ratio, case)
-    return [ResultMistake(f"the result multiplied by {name} after its GEMM", BugClass.SCALE,
-                          lambda exact, bias: _plus_bias(exact * factor, bias))]
-
-
-def _rearranged(shape: Sequence[int]) -> list[ResultMistake]:
-    """The result transposed, or reshaped where a transpose belongs (square: the reshapes change nothing)."""
-    square = shape[0] == shape[1]
-    return [*([ResultMistake("the result transposed", BugClass.TRANSPOSE,
-                             lambda exact, bias: _plus_bias(exact.t(), bias))] if square else []),
-            ResultMistake("the result reshaped from the transposed product", BugClass.TRANSPOSE,
-                          lambda exact, bias: _plus_bias(exact.t().contiguous().reshape(exact.shape), bias)),
-            *([] if square else [ResultMistake(
-                "the result reshaped to its transpose's shape where a transpose belongs (and transposed back)",
-                BugClass.TRANSPOSE, lambda exact, bias: _plus_bias(exact.reshape(exact.shape[1], exact.shape[0]).t(),
-                                                                   bias))])]
-
-
-BIAS_MISTAKES = (
-    ResultMistake("the bias added twice", BugClass.CONTRACT, lambda exact, bias: _plus_bias(exact, bias, 2)),
-    ResultMistake("the bias dropped", BugClass.CONTRACT, lambda exact, bias: exact))
-
-
-def _rounded_through(dtype: torch.dtype, exact: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _plus_bias(exact, bias).to(dtype)
-
-
-def _roundings_through(chain: Iterable[torch.dtype], got_dtype: torch.dtype,
-                       category: BugClass) -> list[ResultMistake]:
-    """The result rounded through another dtype on its way to its own: a second rounding."""
-    chain, name = list(chain), (lambda dtype: str(dtype).replace("torch.", ""))
-    return [ResultMistake(f"the result rounded through {name(through)} on its way to {name(got_dtype)}: a second "
-                          f"rounding", category, partial(_rounded_through, through), bit_exact=True)
-            for through in (torch.bfloat16, torch.float16, torch.float32)
-            if through not in chain and through != got_dtype]
-
-
-def result_mistakes(got: torch.Tensor, exact: torch.Tensor, case: Case, gemm: str, recipe: Recipe, *,
-                    has_bias: bool, scales=None) -> list[ResultMistake]:
-    """Every mistake tried on the result `got` of a GEMM whose exact float64 result is `exact`, in the
-    order they are tried: misapplied scales (with the GEMM's per-row and per-column inverse `scales`,
-    parity.diagnose.gemm_inverse_scales), a rescaling, a transposition, the bias, another rounding."""
-    operands = recipe.gemm(gemm).operands if gemm in GEMMS else ("A", "B")
-    # a GEMM the recipe keeps in high precision: its precision is what the recipe says of it
-    rounding = BugClass.PRECISION if gemm in GEMMS and recipe.gemm(gemm).high_precision else BugClass.ACCUMULATION
-    return [*_epilogue_mistakes(scales, operands, exact.shape), *_rescaled(got, exact, case),
-            *_rearranged(exact.shape), *(BIAS_MISTAKES if has_bias else ()),
-            *_roundings_through(oracles.rounding_chain(case, gemm, recipe), got.dtype, rounding)]

@@ -26,17 +26,18 @@ Strategies for your own tests: parity.strategies.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from parity import sharding, suite
+from parity.env import environment
 from parity.impls import ImplError
 from parity.recipes import RecipeError
+from parity.rows import frame as rows_frame
+from parity.suite import SuiteNotInstalled, shipped_suite
 
 _COMMON = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.function_scoped_fixture])
@@ -49,33 +50,7 @@ PROFILES = {
 for _name, _options in PROFILES.items():
     settings.register_profile(_name, **_options, **_COMMON)
 
-SUITE_PACKAGE = "parity.property_suite"  # pyproject.toml's package-dir maps it to property_tests/suite/
 GPU_SKIP_REASON = "needs a CUDA device with FP8 support (compute capability >= 8.9)"
-
-
-class SuiteNotInstalled(ImplError):
-    """The shipped suite cannot be imported (parity runs from a checkout that was not pip-installed). An
-    ImplError, like an implementation that does not load: every command reports it in one line."""
-
-
-def shipped_suite() -> Path:
-    """The shipped suite's test file, wherever pip put the package parity.property_suite (an editable
-    install maps it to the checkout's property_tests/suite/)."""
-    spec = importlib.util.find_spec(SUITE_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SuiteNotInstalled(
-            f"the shipped property suite (package {SUITE_PACKAGE}) is not importable: parity runs from "
-            f"{Path(__file__).resolve().parent} without `pip install`; run `pip install -e .` in that checkout, "
-            f"or name the suite's file: pytest property_tests/suite/test_properties.py --fp8-impl ...")
-    return Path(next(iter(spec.submodule_search_locations))) / "test_properties.py"
-
-
-def __getattr__(name: str):
-    # SHIPPED_SUITE is found when it is used (fp8-parity test, a failure's rerun line), not at import: the
-    # plugin loads in every pytest run, also where the suite is not importable and nobody asked for it
-    if name == "SHIPPED_SUITE":
-        return shipped_suite()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fp8_gpu_available() -> bool:
@@ -184,9 +159,10 @@ def pytest_sessionfinish(session, exitstatus):
     out = session.config.getoption("--fp8-report")
     if not out or not suite.SUITE.rows:
         return
-    from parity.env import environment
+    # imported only when a report is asked for: parity.report brings matplotlib, 0.39-0.62 s of
+    # `python -X importtime -c "import parity.pytest_plugin, parity.report"` (3 runs, 2-core machine,
+    # 2026-12-02) in every pytest session of any repository where fp8-parity is installed
     from parity.report import verdict, write_report
-    from parity.rows import frame as rows_frame
     frame = rows_frame(suite.SUITE.rows)
     frame.attrs["env"] = environment(suite.SUITE.device)
     judged = verdict(frame, candidate=suite.SUITE.candidate.name)

@@ -11,16 +11,18 @@ reruns exactly that case. Your own suite can use it the same way.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hypothesis import strategies as st
 
 from parity.cases import Case, parse_case_id
 from parity.check import CheckPlan, violation_lines
 from parity.data import CaseData, make_data
-from parity.impls import Impl, default_reference, load_impl
+from parity.impls import Impl, ImplError, default_reference, load_impl
 from parity.policy import Violation
 from parity.rows import Row
 from parity.runner import isolation, run_case_isolated
@@ -29,6 +31,28 @@ from parity.worker import Died, default_time_limit, torch_device_type
 
 # Largest K, N and M the strategies draw, per hypothesis profile (the GPU affords larger shapes).
 MAX_DIM = {"dev": 128, "ci": 128, "gpu": 1024, "thorough": 512}
+
+
+SUITE_PACKAGE = "parity.property_suite"  # pyproject.toml's package-dir maps it to property_tests/suite/
+
+
+class SuiteNotInstalled(ImplError):
+    """The shipped suite cannot be imported (parity runs from a checkout that was not pip-installed). An
+    ImplError, like an implementation that does not load: every command reports it in one line."""
+
+
+def shipped_suite() -> Path:
+    """The shipped suite's test file, wherever pip put the package parity.property_suite (an editable
+    install maps it to the checkout's property_tests/suite/). Looked up when used (fp8-parity test, a
+    failure's rerun line), not at import: the plugin loads in every pytest run, also where the suite
+    is not importable and nobody asked for it."""
+    spec = importlib.util.find_spec(SUITE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SuiteNotInstalled(
+            f"the shipped property suite (package {SUITE_PACKAGE}) is not importable: parity runs from "
+            f"{Path(__file__).resolve().parent} without `pip install`; run `pip install -e .` in that checkout, "
+            f"or name the suite's file: pytest property_tests/suite/test_properties.py --fp8-impl ...")
+    return Path(next(iter(spec.submodule_search_locations))) / "test_properties.py"
 
 
 class PropertyFailure(AssertionError):
@@ -101,9 +125,7 @@ class Suite:
     def rerun_command(self, case: Case) -> str:
         current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests/suite/test_properties.py").split(" ")[0]
         if current.startswith("::"):  # the shipped suite run from another repository: its node id has no path
-            # (imported here: parity.pytest_plugin imports this module; SHIPPED_SUITE is the plugin's)
-            from parity.pytest_plugin import SHIPPED_SUITE
-            current = f"{SHIPPED_SUITE}{current}"
+            current = f"{shipped_suite()}{current}"
         parts = ["python", "-m", "pytest", current, "--fp8-impl", self.impl_spec,
                  *(["--fp8-recipe", self.recipe] if self.recipe else []), "--fp8-against", self.reference.name,
                  "--fp8-device", self.device, "--fp8-case", case.id]

@@ -161,6 +161,10 @@ def _preload_cuda() -> None:
     runs (an fp8 _scaled_mm, a bf16 and a float64 matmul): in a fresh process on an H200 these cost
     seconds the first time, and a spare worker pays them before it is needed. Only the harness's
     code runs here, never the code under test."""
+    # The one import circle of parity/, on purpose: parity.preload imports parity.runner, which imports this
+    # module. It runs only in a spawned CUDA worker, after this module has loaded; importing it here
+    # rather than at the top keeps the parent (the process that judges) from importing torchao for it; torch
+    # too: parity.entry imports this module before torch loads, to start workers early.
     import parity.preload  # noqa: F401
     import torch
     with contextlib.suppress(Exception):  # a GPU without fp8 kernels: the case reports it, not the warm-up

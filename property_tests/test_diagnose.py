@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from parity import cpu_gemm, mistakes, oracles
+from parity import cpu_gemm, mistakes, oracles, result_mistakes
 from parity.bisect import localize
 from parity.localization import is_gpu_lint as _is_gpu_lint
 from parity.cases import Case
@@ -22,7 +22,8 @@ from parity.data import make_data
 from parity.diagnose import _closeness, explain_operand, explain_result
 from parity.findings import labels
 from parity.impls import load_impl
-from parity.mistakes import OperandSources, OperandStage, operand_hypotheses, quantize_mistaken
+from parity.mistakes import OperandStage, operand_hypotheses, quantize_mistaken
+from parity.operand_sources import OperandSources
 from parity.recipes import RECIPES, Cast, Scaling
 from parity.vocabulary import BugClass
 
@@ -753,7 +754,7 @@ def test_the_result_mistakes_are_data():
     case = Case(lead=(16,), K=16, N=16, bias=True, input_dtype="fp16")
     exact = torch.randn(16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     scales = (torch.full((16, 1), 2.0 ** -6, dtype=torch.float64), torch.full((1, 16), 2.0 ** -7, dtype=torch.float64))
-    found = mistakes.result_mistakes((exact * 2).to(torch.float16), exact, case, "output", RECIPES["rowwise"],
+    found = result_mistakes.result_mistakes((exact * 2).to(torch.float16), exact, case, "output", RECIPES["rowwise"],
                                      has_bias=True, scales=scales)
     # (rowwise writes bf16 and then fp16: of the dtypes a result could be rounded through, only float32 is left)
     assert [m.bug_class for m in found] == [BugClass.SCALE] * 7 + [BugClass.TRANSPOSE] * 2 + [BugClass.CONTRACT] * 2 \

@@ -71,7 +71,7 @@ def test_a_committed_reference_table_still_reads():
 def test_errors_are_typed_in_memory_and_text_in_the_table():
     case = Case(lead=(16,), K=16, N=16)
     rows = run_case(case.replace(input_dtype="fp32"), all_pairs(
-        [load_impl("property_tests.mutants:crash_on_fp32_input")], [load_impl("fp64")]))
+        [load_impl("evals.zoo.mutants:crash_on_fp32_input")], [load_impl("fp64")]))
     error = rows[0].error
     assert (error.phase, error.step) == (Phase.FORWARD, 0) and str(error).startswith(f"step 0: forward: {error.type}: ")
     crash = evaluate(rows)[0]
