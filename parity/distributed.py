@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.impls import Impl, convert_linears, linear_names, load_impl, reload_impl
 from parity.metrics import sqnr_db
+from parity.sharding import share_host_threads
 
 
 MODES = ("ddp", "fsdp2")
@@ -275,7 +276,7 @@ def _worker(rank: int, launch: _Launch, messages) -> None:
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world_size))  # no oversubscription
+            share_host_threads(launch.world_size)  # no oversubscription
             device = torch.device("cpu")
         dist.init_process_group(launch.backend, rank=rank, world_size=launch.world_size,
                                 timeout=timedelta(seconds=launch.timeout_s))

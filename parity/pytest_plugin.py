@@ -85,6 +85,8 @@ def pytest_addoption(parser):
 @pytest.hookimpl(trylast=True)  # after hypothesis has read --hypothesis-profile
 def pytest_configure(config):
     config.addinivalue_line("markers", f"fp8_gpu: {GPU_SKIP_REASON}; skipped elsewhere")
+    if sharding.xdist_processes() > 1:  # `pytest -n N`: N workers share the host's cores
+        sharding.share_host_threads(sharding.xdist_processes())
     chosen = config.getoption("--hypothesis-profile", None)
     current = getattr(settings, "_current_profile", None)
     if not chosen and current in (None, "default"):

@@ -66,6 +66,25 @@ def merge_frames(frames: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     return merged
 
 
+def share_host_threads(processes: int) -> int:
+    """Give this process its share of the host's cores for torch's intra-op threads, when `processes`
+    harness processes share the machine (xdist workers, sweep shards, ranks, sharded scorers), and
+    return it. torch's default is one thread per core in every process: eight scorers on the H200
+    machine's 16 cores made no progress in 200 s that way; with 2 threads each they scored a
+    held-out set in 127 s (2026-12-02). Workers take their parent's count with each task."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, processes))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def xdist_processes() -> int:
+    """How many pytest-xdist workers run side by side (1 outside xdist)."""
+    try:
+        return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    except ValueError:
+        return 1
+
+
 def xdist_device(request) -> str:
     """This pytest worker's device: under `pytest -n N`, worker gwK gets cuda:{K % GPUs} (cpu
     without GPUs); plain pytest counts as worker 0. Works with or without pytest-xdist.

@@ -27,7 +27,7 @@ from parity.policy import Policy, default_policy
 from parity.rows import frame as rows_frame
 from parity.rows import rows_from_frame
 from parity.runner import Comparison, isolation, run_case_isolated
-from parity.sharding import merge_frames, shard
+from parity.sharding import merge_frames, shard, share_host_threads
 from parity.strategies import cases as case_strategy
 
 DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16")
@@ -262,7 +262,7 @@ def _sweep_worker(index: int, devices: list[str], labelled_cases, impl_names, ou
     device = devices[index]
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, torch.get_num_threads() // len(devices)))
+    share_host_threads(len(devices))
     comparisons = sweep_comparisons([load_impl(n) for n in impl_names], torch.device(device).type)
     frame = run_sweep(shard(labelled_cases, index, len(devices)), comparisons, device=device)
     frame.to_pickle(f"{out_dir}/shard{index}.pkl")

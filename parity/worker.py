@@ -144,7 +144,8 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: boo
             continue
         if message is None:
             break
-        fn, args, kwargs = message
+        fn, args, kwargs, threads = message
+        _match_host_threads(threads)
         try:
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as err:  # noqa: BLE001 - the harness's own error: sent back with its traceback
@@ -154,6 +155,21 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: boo
         except Exception as err:  # noqa: BLE001 - an unpicklable result
             conn.send(("raised", f"the result could not be sent back: {err}", traceback.format_exc()))
     os._exit(0)
+
+
+# A worker computes what its parent would (the oracles' float64 GEMMs run on the host), so it uses the
+# parent's host threads, not torch's default of one per core: with eight sharded scorers on the H200
+# machine (16 cores) each worker's 16 threads left every shard without one finished entry in 200 s;
+# with 2 threads each, held-out set 15 scored in 127 s (this session's H200 runs, 2026-12-02).
+def _match_host_threads(threads: int | None) -> None:
+    if threads and "torch" in sys.modules and sys.modules["torch"].get_num_threads() != threads:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def _parent_host_threads() -> int | None:
+    """The parent's torch host threads when it has imported torch (set_num_threads is per process)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
 
 
 def _preload_cuda() -> None:
@@ -355,7 +371,7 @@ class Worker:
         if self._process is None or not self._process.is_alive():
             self._start()
         self._phase.value = b""
-        self._conn.send((fn, args, kwargs))
+        self._conn.send((fn, args, kwargs, _parent_host_threads()))
         deadline = last = time.monotonic()
         deadline += time_limit
         spent: dict[tuple[str, str], float] = {}  # seconds seen in each (implementation, phase)

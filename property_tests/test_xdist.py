@@ -31,13 +31,14 @@ xdist_device = pytest.fixture(scope="session", name="xdist_device")(sharding.xdi
 
 # Four tests, so that each of two workers gets some; each records who ran it, on what device.
 PROBE_TESTS = '''
-import json, os, pytest
+import json, os, pytest, torch
 from parity.sharding import worker_device, xdist_worker_id
 
 @pytest.mark.parametrize("index", range(4))
 def test_probe(index, xdist_device, request):
     worker = xdist_worker_id(request.config)
-    record = dict(worker=worker, device=xdist_device, device_of_2_gpus=worker_device(worker, gpu_count=2))
+    record = dict(worker=worker, device=xdist_device, device_of_2_gpus=worker_device(worker, gpu_count=2),
+                  threads=torch.get_num_threads())
     with open(os.path.join(os.environ["PROBE_DIR"], f"{index}.json"), "w") as f:
         json.dump(record, f)
 '''
@@ -117,7 +118,9 @@ def _run_probe(tmp_path: Path, *pytest_args: str) -> list[dict]:
 
 def test_fixture_without_xdist_is_worker_0(tmp_path):
     records = _run_probe(tmp_path, "-p", "no:xdist")
+    threads = {record.pop("threads") for record in records}
     assert records == [dict(worker=None, device="cpu", device_of_2_gpus="cuda:0")] * 4
+    assert len(threads) == 1  # torch's own default: nothing shares the host
 
 
 @pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="pytest-xdist is not installed")
@@ -128,3 +131,19 @@ def test_fixture_pins_each_xdist_worker(tmp_path):
     for record in records:
         assert record["device"] == "cpu"  # CUDA_VISIBLE_DEVICES="" hides any GPU
         assert record["device_of_2_gpus"] == f"cuda:{record['worker'][2:]}"
+        assert record["threads"] == max(1, (os.cpu_count() or 1) // 2)  # two workers share the host's cores
+
+
+def test_a_worker_computes_with_its_parents_host_threads():
+    """The oracles' float64 GEMMs run in the worker: it takes the parent's thread count with each task
+    (torch's default of one per core in every process starved eight sharded scorers on the H200 machine)."""
+    from parity.worker import Worker
+    before = torch.get_num_threads()
+    runner = Worker("cpu")
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert runner.call(torch.get_num_threads, time_limit=60) == threads
+    finally:
+        torch.set_num_threads(before)
+        runner.close()

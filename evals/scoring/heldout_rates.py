@@ -88,6 +88,9 @@ def score(name: str, device: str, only: list[str] | None = None, shard: str = "0
     """The rows of every entry of set `name` scored on `device` (its manifest's devices), printed as it goes."""
     device_key = "cuda" if device == "cuda" else "cpu"
     shard_index, shards = (int(part) for part in shard.split("/"))
+    if shards > 1:  # N scorers side by side: each its share of the cores (parity.sharding says why)
+        from parity.sharding import share_host_threads
+        share_host_threads(shards)
     rows = []
     for index, entry in enumerate(sets.manifest(name)):
         if device_key in entry["devices"] and (only is None or entry["name"] in only) \
