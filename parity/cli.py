@@ -304,9 +304,24 @@ def _add_test(commands) -> None:
     test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
 
 
+def _add_calibrate(commands) -> None:
+    calibrate = commands.add_parser(
+        "calibrate", help="measure the Hopper model against this GPU's FP8 GEMMs, bit for bit (a table)",
+        description="Run every configuration of the calibration grid (kinds of scaled GEMM calls, formats, out "
+                    "dtypes, fast accumulation, layer and odd shapes) on this GPU and in parity.hopper's model, "
+                    "and write how many elements agree bit for bit: the table that says where the harness may "
+                    "judge a call exactly. Exit 4 when the time limit cut the grid short, 125 without a GPU.")
+    calibrate.add_argument("--out", type=Path, default=None, metavar="PATH",
+                           help="the table to write (default calibration-<gpu>.csv here; never overwritten)")
+    calibrate.add_argument("--seconds", type=_count(1, 10**6, "--seconds 300"), default=None,
+                           help="stop measuring after this long (the table then says how much it covers)")
+    calibrate.add_argument("--limit", type=_count(1, 10**6, "--limit 50"), default=None,
+                           help="only the first N configurations of the grid")
+
+
 # The subcommands in the order `fp8-parity --help` lists them.
 BUILDERS = (_add_check, _add_sweep, _add_bisect, _add_bench, _add_throughput, _add_train, _add_report, _add_diff,
-            _add_test)
+            _add_test, _add_calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

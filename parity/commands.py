@@ -29,6 +29,7 @@ COMMANDS = {
     "train": "parity.cmd_train:cmd_train",
     "report": "parity.cmd_report:cmd_report",
     "diff": "parity.cmd_report:cmd_diff",
+    "calibrate": "parity.cmd_calibrate:cmd_calibrate",
 }
 
 

@@ -50,7 +50,7 @@ def test_the_entry_point_imports_cli_only_in_main():
 def test_every_command_of_the_parser_has_a_body_and_no_other():
     subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
     assert list(subparsers.choices) == ["check", "sweep", "bisect", "bench", "throughput", "train", "report", "diff",
-                                        "test"]
+                                        "test", "calibrate"]
     assert set(subparsers.choices) == set(commands.COMMANDS)
     for name in commands.COMMANDS:
         assert callable(commands.command(name)), name

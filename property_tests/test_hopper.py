@@ -1,0 +1,205 @@
+"""The Hopper model (parity.hopper) and its calibration (parity.calibration, `fp8-parity calibrate`).
+
+On the CPU: the model's epilogues are checked where the answer is known without a GPU (small integer
+products and power-of-two scales: every correct accumulation is exact, so a misplaced scale or block
+shows), the model is shown not to be an fp32 dot product (Hopper truncates aligned products), and the
+calibration's rule and table are read. On an H200: the model equals the hardware bit for bit on a few
+configurations of each kind (the full grid is `fp8-parity calibrate`'s).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from fractions import Fraction
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from parity import calibration, hopper
+from parity.calibration import CallKind, Config
+from parity.pytest_plugin import fp8_gpu_available
+
+pytest.importorskip("mmaemu")
+E4 = torch.float8_e4m3fn
+warnings.filterwarnings("ignore", module="mmaemu")
+
+
+def _small_integers(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """fp8 values in {-2, ..., 2}: products and K-long sums (K <= 256) are exact in 13 bits."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-2, 3, (rows, cols), generator=generator).float().to(E4)
+
+
+def _pow2(shape, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return 2.0 ** torch.randint(-4, 5, shape, generator=generator).float()
+
+
+def test_tensorwise_and_rowwise_epilogues_are_exact_where_every_accumulation_is():
+    a, b = _small_integers(32, 64, 0), _small_integers(48, 64, 1)
+    exact = a.double() @ b.double().t()
+    one = torch.tensor(0.5)
+    tensorwise = hopper.tensorwise(a, b, one, torch.tensor(4.0), out_dtype=torch.float32, fast_accum=True)
+    assert torch.equal(tensorwise.value.double(), exact * 2.0)
+    rows, cols = _pow2((32, 1), 2), _pow2((1, 48), 3)
+    rowwise = hopper.rowwise(a, b, rows, cols, out_dtype=torch.float32, fast_accum=False)
+    assert torch.equal(rowwise.value.double(), exact * rows.double() * cols.double())
+
+
+@pytest.mark.parametrize("b_tiles", ["128x128", "1x128"])
+def test_blockwise_scales_each_128_long_block_with_its_own_scales(b_tiles):
+    M, K, N = 16, 384, 160
+    a, b = _small_integers(M, K, 4), _small_integers(N, K, 5)
+    scale_a = _pow2((M, K // 128), 6)
+    scale_b = _pow2((2, K // 128), 7) if b_tiles == "128x128" else _pow2((N, K // 128), 7)
+    per_row_of_b = scale_b.repeat_interleave(128, dim=0)[:N] if b_tiles == "128x128" else scale_b
+    exact = sum((a[:, k:k + 128].double() @ b[:, k:k + 128].double().t()) * scale_a[:, i:i + 1].double()
+                * per_row_of_b[:, i].double()[None, :] for i, k in enumerate(range(0, K, 128)))
+    got = hopper.blockwise(a, b, scale_a, scale_b, out_dtype=torch.float32, b_tiles=b_tiles)
+    assert torch.equal(got.value.double(), exact)
+
+
+def _nearest_fp32(exact: Fraction) -> float:
+    """The fp32 nearest to `exact`, ties to an even significand (from the two fp32 neighbours of its float64)."""
+    guess = np.float32(float(exact))
+    candidates = {guess, np.nextafter(guess, np.float32(np.inf)), np.nextafter(guess, np.float32(-np.inf))}
+    def distance(value):
+        return abs(Fraction(float(value)) - exact), int(np.array(value).view(np.int32)) & 1
+    return float(min(candidates, key=distance))
+
+
+def test_fma32_rounds_once_as_a_fused_multiply_add():
+    generator = torch.Generator().manual_seed(8)
+    a, b, c = (torch.randn(2000, generator=generator) * 2.0 ** torch.randint(-20, 20, (2000,), generator=generator)
+               for _ in range(3))
+    # products whose low bits sit at a tie of fp32 and a tiny c that breaks it: a double rounding goes wrong
+    a[:4] = torch.tensor([1 + 2.0 ** -12, 1 + 2.0 ** -12, 1 - 2.0 ** -24, 3.0])
+    b[:4] = torch.tensor([1 + 2.0 ** -12, 1 + 2.0 ** -12, 1 + 2.0 ** -23, 1 + 2.0 ** -23])
+    c[:4] = torch.tensor([2.0 ** -60, -2.0 ** -60, 2.0 ** -80, -2.0 ** -75])
+    got = hopper.fma32(a, b, c)
+    for x, y, z, r in zip(a.tolist(), b.tolist(), c.tolist(), got.tolist()):
+        assert r == _nearest_fp32(Fraction(x) * Fraction(y) + Fraction(z)), (x, y, z)
+    plain = (a.double() * b.double() + c.double()).float()  # rounded twice: wrong at the ties
+    assert not torch.equal(plain[:4], got[:4])
+
+
+def test_the_model_truncates_aligned_products_where_fp32_keeps_them():
+    """1 + 31 products of 2^-18: fp32 holds 1 + 31 * 2^-18 exactly; Hopper aligns each product to the
+    largest exponent of its block and keeps about 13 fraction bits, so the small ones vanish (Fasi et al. 2021)."""
+    K = 32
+    a = torch.full((16, K), 2.0 ** -9).to(E4)
+    a[:, 0] = 1.0
+    one = torch.tensor(1.0)
+    for fast in (True, False):
+        got = hopper.tensorwise(a, a, one, one, out_dtype=torch.float32, fast_accum=fast).value
+        assert got[0, 0].item() == 1.0
+    assert (a.double() @ a.double().t())[0, 0].item() == 1 + (K - 1) * 2.0 ** -18
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda a: hopper.tensorwise(a.float(), a, torch.tensor(1.0), torch.tensor(1.0), out_dtype=torch.bfloat16,
+                                 fast_accum=True), "must be float8_e4m3fn or float8_e5m2"),
+    (lambda a: hopper.rowwise(a, a, torch.ones(3, 1), torch.ones(1, 16), out_dtype=torch.bfloat16, fast_accum=True),
+     "M = 16 A scales and N = 16 B scales, got 3 and 16"),
+    (lambda a: hopper.tensorwise(a, a, torch.ones(16, 1), torch.tensor(1.0), out_dtype=torch.bfloat16,
+                                 fast_accum=True), "one scale per operand"),
+    (lambda a: hopper.blockwise(a, a, torch.ones(16, 1), torch.ones(16, 1), out_dtype=torch.bfloat16,
+                                b_tiles="1x128"), "needs K a multiple of 128, got K = 32"),
+    (lambda a: hopper.accumulator(a, a[:, :16], fast_accum=True), "A [16, 32] and B [16, 16]"),
+])
+def test_a_call_the_model_does_not_cover_says_what_is_wrong(call, message):
+    with pytest.raises(hopper.HopperModelError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call(torch.ones(16, 32).to(E4))
+
+
+# ---- calibration ------------------------------------------------------------------------------------
+
+
+def test_the_grid_covers_every_kind_with_aligned_shapes_and_stable_ids():
+    grid = calibration.grid()
+    assert len(grid) >= 500  # issue 27: a table of at least 500 configurations
+    assert len({config.id for config in grid}) == len(grid)
+    assert {config.kind for config in grid} == set(CallKind)
+    assert all(side % 16 == 0 for config in grid for side in (config.m, config.k, config.n))
+    assert all(side % 128 == 0 for config in grid if config.kind is CallKind.BLOCKWISE
+               for side in (config.m, config.k, config.n))
+    assert Config(CallKind.TENSORWISE, "e4m3", "e4m3", "bfloat16", True, 16, 32, 48).id == \
+        "tw-e4m3xe4m3-bfloat16-fast-16x32x48"
+
+
+def _table(*rows) -> pd.DataFrame:
+    records = []
+    for (m, k, n), bitwise in rows:
+        config = Config(CallKind.TENSORWISE, "e4m3", "e4m3", "bfloat16", True, m, k, n)
+        records.append(dict(id=config.id, kind="TensorWise", a="e4m3", b="e4m3", out="bfloat16", fast_accum=True,
+                            m=m, k=k, n=n, b_tiles="", bitwise=bitwise, equal_fraction=1.0 if bitwise else 0.72))
+    return pd.DataFrame.from_records(records)
+
+
+def _call(m, k, n, **changes):
+    return Config(**{**dict(kind=CallKind.TENSORWISE, a="e4m3", b="e4m3", out="bfloat16", fast_accum=True,
+                            m=m, k=k, n=n), **changes})
+
+
+def test_exactness_is_claimed_only_where_the_table_vouches_for_it():
+    table = _table(((64, 256, 64), True), ((1024, 4096, 1024), True), ((256, 8192, 256), False))
+    assert calibration.exactness(_call(128, 512, 96), table).exact
+    beyond = calibration.exactness(_call(1024, 16384, 1024), table)
+    assert not beyond.exact and "beyond the calibrated K (bit-equal at most at K = 4096)" in beyond.why
+    split = calibration.exactness(_call(128, 8192, 128), table)  # longer K, smaller output than a differing config
+    assert not split.exact and "differed (72% equal)" in split.why
+    assert calibration.exactness(_call(1024, 4096, 1024), table).exact
+    other = calibration.exactness(_call(64, 256, 64, fast_accum=False), table)
+    assert not other.exact and "fast accumulation off" in other.why
+    assert "not calibrated" in calibration.exactness(_call(64, 256, 64), None).why
+
+
+def test_calibrate_without_a_gpu_says_it_cannot_run_here():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: calibrate would run")
+    done = subprocess.run([sys.executable, "-m", "parity", "calibrate"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 125
+    assert done.stderr.strip().splitlines()[-1] == ("fp8-parity calibrate: cannot run here: no CUDA device is "
+                                                    "available: calibrate measures a GPU's FP8 GEMMs against the "
+                                                    "Hopper model")
+
+
+def test_the_committed_h200_table_is_complete_and_says_where_the_model_is_exact():
+    table = calibration.load_table("NVIDIA H200")
+    assert table is not None and len(table) == len(calibration.grid()) >= 500
+    assert "measured 536 of 536" in calibration.table_path("NVIDIA H200").read_text().splitlines()[3]
+    assert set(table["kind"]) == {kind.value for kind in CallKind}
+    assert table["bitwise"].mean() >= 0.95
+    split = Config(CallKind.TENSORWISE, "e4m3", "e4m3", "bfloat16", True, 128, 8192, 128)
+    assert not calibration.exactness(split, table).exact  # 256x8192x256 with fast accumulation differed there
+    check_sized = Config(CallKind.ROWWISE, "e4m3", "e4m3", "bfloat16", True, 112, 208, 64)
+    assert calibration.exactness(check_sized, table).exact
+
+
+def test_a_gpu_without_a_table_is_not_calibrated():
+    assert calibration.load_table("A GPU nobody calibrated") is None
+    assert calibration.gpu_slug("NVIDIA H200") == "nvidia-h200"
+
+
+# ---- on the GPU -------------------------------------------------------------------------------------
+
+GPU_CONFIGS = [
+    Config(CallKind.TENSORWISE, "e4m3", "e4m3", "bfloat16", True, 64, 256, 96),
+    Config(CallKind.TENSORWISE, "e5m2", "e4m3", "float32", False, 128, 1536, 320),
+    Config(CallKind.ROWWISE, "e4m3", "e4m3", "bfloat16", True, 256, 512, 256),
+    Config(CallKind.BLOCKWISE, "e4m3", "e4m3", "bfloat16", False, 128, 384, 256, "128x128"),
+    Config(CallKind.BLOCKWISE, "e4m3", "e4m3", "bfloat16", False, 256, 1152, 384, "1x128"),
+]
+
+
+@pytest.mark.fp8_gpu
+@pytest.mark.skipif(not fp8_gpu_available(), reason="needs an FP8 GPU")
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda config: config.id)
+def test_the_model_computes_the_gpus_bits(config):
+    row = calibration.measure(config, "cuda")
+    assert not row["error"], row["error"]
+    assert row["bitwise"], f"{config.id}: {row['equal_fraction']:.2%} of the elements bit-equal"
