@@ -209,18 +209,22 @@ def missing_tensors(execution: Execution, case) -> str | None:
 def check_relation(relation: Relation, impl: Impl, data: CaseData, *, base: Execution | None = None) -> RelationResult:
     """Run `impl` on `data` and on `relation.transform(data)`; compare with `relation.expect`."""
     base = base or execute(impl, data)
-    transformed = execute(impl, relation.transform(data))
+    transformed_data = relation.transform(data)
+    transformed = execute(impl, transformed_data)
     error = base.error or transformed.error or missing_tensors(base, data.case)
     if error:
         return RelationResult(relation.name, False, [], error)
     expected = relation.expect(base.steps, data)
-    emulated = [oracles.emulate_linear(s.input, s.weight, s.grad_output) for s in data.steps] \
+    # the bound of a reordered sum is the transformed data's: its elements are where the results' are (a
+    # permutation moves the magnitudes too; the untransformed ones put a large column's allowance on a small one)
+    emulated = [oracles.emulate_linear(s.input, s.weight, s.grad_output) for s in transformed_data.steps] \
         if relation.reordered else None
     broken = []
     for step, (got, want) in enumerate(zip(transformed.steps, expected)):
         for tensor in data.case.tensors:
             problem = _mismatch(tensor, step, got[tensor], want[tensor], reordered=tensor in relation.reordered,
-                                data=data, emulated=emulated, scaled_by=POWER if relation.exact_scaling else 0.0)
+                                data=transformed_data, emulated=emulated,
+                                scaled_by=POWER if relation.exact_scaling else 0.0)
             if problem:
                 broken.append(problem)
     return RelationResult(relation.name, not broken, broken)
