@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import shlex
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, Phase, find
 from hypothesis import settings as hypothesis_settings
 from hypothesis.errors import NoSuchExample
 
+from parity import cpu_gemm, hopper
 from parity.cases import Case, edge_cases, shrink
 from parity.env import environment
 from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
@@ -29,6 +31,7 @@ from parity.rows import Row, row_key
 from parity.rows import frame as rows_frame
 from parity.runner import Comparison, isolation, run_case_isolated
 from parity.strategies import cases as case_strategy
+from parity.recipes import GEMMS
 from parity.vocabulary import Kind, Tensor, Verdict
 from parity.worker import Worker
 
@@ -58,6 +61,11 @@ class CheckPlan:
         if oracle and candidate.recipe.is_fp8 and not candidate.exact and emulation and not (
                 reference.exact and reference.recipe is candidate.recipe):
             comparisons.append(Comparison(candidate, load_impl(emulation), Policy.ACCUMULATION))
+        model = builtin_for_recipe("hopper", candidate.recipe)
+        bits = torch.device(device).type == "cuda" or cpu_gemm.mode() == "hopper"  # the GPU's, or the model's
+        if oracle and model and bits and not (candidate.exact or candidate.bit_model) \
+                and reference.name != model and hopper.available():
+            comparisons.append(Comparison(candidate, load_impl(model), Policy.EXACT))  # bit for bit where calibrated
         return cls(candidate, reference, policy, comparisons)
 
     @property
@@ -308,6 +316,9 @@ def render(result: CheckResult) -> str:
     table = summary_table(result.rows, plan)
     if not table.empty:
         lines += [table.to_string(index=False), ""]
+    exact = exact_line(result.rows, plan)
+    if exact:
+        lines += [exact, ""]
     if result.error:
         lines += [f"error: {result.error}", ""]
     if result.violations:
@@ -323,7 +334,30 @@ def render(result: CheckResult) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-MISMATCH_KINDS = (Kind.BITWISE, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB)  # shown with their row's metrics
+def exact_line(rows: Sequence[Row], plan: CheckPlan) -> str:
+    """How the candidate's FP8 GEMMs were judged against the Hopper model (policy exact), or "" where it was not
+    among the references: how many bit for bit, how many of those equal, why the rest fell to the bound."""
+    recipe = plan.candidate.recipe
+    judged = [row for row in rows if row.policy == Policy.EXACT.value and row.impl == plan.candidate.name
+              and not row.skipped and row.error is None and row.exact is not None and row.tensor in GEMMS
+              and not recipe.gemm(row.tensor).high_precision]
+    if not judged:
+        return ""
+    exact = [row for row in judged if row.exact]
+    equal = sum(bool(row.bitwise) for row in exact)
+    model = judged[0].reference
+    line = (f"exact: judged bit for bit against {model} (the GPU's own bits) in {len(exact)} of {len(judged)} "
+            f"FP8-GEMM comparisons ({equal} equal)")
+    reasons = Counter(row.exact_why for row in judged if not row.exact)
+    if reasons:
+        line += "; by the accumulation bound in the rest: " + "; ".join(
+            f"{why} ({count})" for why, count in reasons.most_common(3))
+        if len(reasons) > 3:
+            line += f"; {len(reasons) - 3} more reasons"
+    return line
+
+
+MISMATCH_KINDS = (Kind.BITWISE, Kind.EXACT, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB)  # shown with their row's metrics
 
 
 def violation_lines(violations: Sequence[Violation], rows: Sequence[Row], *, indent: str = "",

@@ -98,7 +98,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help=f"the recipe --impl implements ({', '.join(FP8_RECIPES)}; default tensorwise for your "
                              f"own code; for fp8_impl and emulated it picks theirs); decides the oracle, the policy "
                              f"and which case dims are valid")
+    _cpu_gemm_arg(parser)
 
+
+def _cpu_gemm_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpu-gemm", choices=["fast", "hopper", "torch"], default=None,
+                        help="how a CPU computes every FP8 GEMM call, of your code and of the references alike: fast "
+                             "(default: an fp32 matmul), hopper (as an H200 does, bit for bit: parity.hopper's model; "
+                             "fast-accumulation and accumulation-order bugs show in the numbers; slower) or torch "
+                             "(torch's own CPU kernel)")
 
 
 def _add_check(commands) -> None:
@@ -147,6 +155,7 @@ def _add_sweep(commands) -> None:
                             f"candidate whose parity decides the exit code")
     sweep.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="default: cuda if a GPU is present, else cpu")
+    _cpu_gemm_arg(sweep)
     sweep.add_argument("--preset", choices=list(SWEEP_PRESETS), default="quick",
                        help="; ".join(f"{p.name}: {p.description}" for p in SWEEP_PRESETS.values()))
     sweep.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")

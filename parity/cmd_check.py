@@ -24,7 +24,7 @@ EXIT_OF_VERDICT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RU
 def cmd_check(args) -> int:
     if args.distributed is not None or args.world_size is not None:
         return check_distributed(args)
-    device = cmd_inputs.device(args.device)
+    device = cmd_inputs.device(args.device, args.cpu_gemm)
     cmd_inputs.writable_file(args.json, "--json")
     saved = cmd_inputs.case_file(args.case_file, args.case, device)
     cases = [saved] if saved else cmd_inputs.named_cases(args.case, device) if args.case else None
@@ -44,7 +44,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_bisect(args) -> int:
-    device = cmd_inputs.device(args.device)
+    device = cmd_inputs.device(args.device, args.cpu_gemm)
     cmd_inputs.writable_file(args.json, "--json")
     if args.git:
         return _bisect_history(args, device)

@@ -5,10 +5,13 @@ or --case-file, and the default report directory."""
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 
+from parity import hopper
 from parity.cases import check_fits, parse_case_id
 from parity.check import resolve_device
+from parity.cpu_gemm import ENV as CPU_GEMM_ENV
 from parity.data import saved_case
 from parity.exits import CannotRun, UsageError
 from parity.outputs import OutputError, check_writable_dir, check_writable_file
@@ -45,11 +48,16 @@ def case_file(path: Path | None, case_ids, device: str):
     return check_fits(saved_case(path), device)
 
 
-def device(requested: str) -> str:
-    """The device to run on (cuda if present for "auto"), or CannotRun with the reason."""
+def device(requested: str, cpu_gemm: str | None = None) -> str:
+    """The device to run on (cuda if present for "auto"), or CannotRun with the reason; `cpu_gemm`
+    (--cpu-gemm) chooses the CPU's kernel of scaled GEMM calls for this process and its workers."""
     resolved, reason = resolve_device(requested)
     if resolved is None:
         raise CannotRun(reason)
+    if cpu_gemm is not None:
+        if cpu_gemm == "hopper" and not hopper.available():
+            raise CannotRun("--cpu-gemm hopper needs mmaemu (pip install mmaemu==0.1.0)")
+        os.environ[CPU_GEMM_ENV] = cpu_gemm
     return resolved
 
 

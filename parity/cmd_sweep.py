@@ -20,7 +20,7 @@ from parity.sweep_resume import PARTIAL_TABLE, discard_partial, load_partial, sa
 
 
 def cmd_sweep(args) -> int:
-    device = cmd_inputs.device(args.device)
+    device = cmd_inputs.device(args.device, args.cpu_gemm)
     impl_names = args.impl or list(DEFAULT_IMPLS)
     if args.resume and args.out is None:
         raise UsageError("--resume needs --out DIR, the directory of the interrupted sweep")

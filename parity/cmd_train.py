@@ -16,7 +16,7 @@ from parity.train_report import write_train_report
 
 
 def cmd_train(args) -> int:
-    device = cmd_inputs.device(args.device)
+    device = cmd_inputs.device(args.device, args.cpu_gemm)
     out = args.out or cmd_inputs.default_report_dir()
     cmd_inputs.writable_dir(out, "--out")
     try:

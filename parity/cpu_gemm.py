@@ -25,6 +25,7 @@ import os
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parity import hopper  # mmaemu itself is imported on the first modelled call
 from parity.contract import custom_op_kernel
 
 aten = torch.ops.aten
@@ -32,8 +33,23 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.flo
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+MODES = ("fast", "hopper", "torch")
+ENV = "FP8_PARITY_CPU_SCALED_MM"
+
+
+def mode() -> str:
+    """The CPU kernel of scaled GEMM calls: fast (the default), hopper (the H200's bits, parity.hopper) or torch."""
+    value = os.environ.get(ENV, "fast")
+    return value if value in MODES else "fast"
+
+
 def enabled() -> bool:
-    return os.environ.get("FP8_PARITY_CPU_SCALED_MM", "fast") != "torch"
+    return mode() != "torch"
+
+
+def kernel() -> TorchDispatchMode:
+    """The dispatch mode that computes CPU scaled GEMM calls in this process's mode (enabled() must hold)."""
+    return HopperScaledMM() if mode() == "hopper" else FastScaledMM()
 
 
 def _fast(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
@@ -77,3 +93,78 @@ class FastScaledMM(TorchDispatchMode):
             with self:
                 return kernel(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+# ---- the H200's bits on a CPU ----------------------------------------------------------------------------
+# FP8_PARITY_CPU_SCALED_MM=hopper (`--cpu-gemm hopper`): every CPU _scaled_mm and _scaled_mm_v2 call, of the
+# candidate and of every reference alike, is computed by parity.hopper's model of the H200, so a CPU run
+# shows in the numbers what only a GPU's numbers showed: fast accumulation, the tensor cores' truncated
+# partial sums, an accumulation order. Calls the model does not cover (scale_result, a non-fp8 operand,
+# other scalings) raise: a run in this mode is the model's or says that it is not.
+
+class HopperModelNotApplicable(RuntimeError):
+    """A scaled GEMM call that --cpu-gemm hopper cannot compute as the H200 does."""
+
+
+_V2_SCALINGS = {0: "TensorWise", 1: "RowWise", 4: "BlockWise1x128", 5: "BlockWise128x128"}
+
+
+def _hopper_v1(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    out_dtype = out_dtype or a.dtype
+    if scale_result is not None:
+        raise HopperModelNotApplicable("--cpu-gemm hopper: a _scaled_mm call with scale_result is not modelled")
+    M, N = a.shape[0], b.shape[1]
+    wide = torch.float32 if bias is not None else out_dtype  # a bias joins the fp32 result, then one rounding
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        value = hopper.tensorwise(a, b.t(), scale_a, scale_b, out_dtype=wide, fast_accum=use_fast_accum).value
+    elif scale_a.numel() == M and scale_b.numel() == N:
+        value = hopper.rowwise(a, b.t(), scale_a, scale_b, out_dtype=wide, fast_accum=use_fast_accum).value
+    else:
+        raise HopperModelNotApplicable(f"--cpu-gemm hopper: scales {list(scale_a.shape)} x {list(scale_b.shape)} "
+                                       f"of a {M}x{a.shape[1]}x{N} _scaled_mm are neither tensorwise nor rowwise")
+    return value if bias is None else (value + bias.float()).to(out_dtype)
+
+
+def _hopper_v2(call: dict) -> torch.Tensor:
+    """An aten._scaled_mm_v2 call (its arguments by schema name) through the model."""
+    a, b, scale_a, scale_b = call["a"], call["b"], call["scale_a"], call["scale_b"]
+    recipe_a, recipe_b = call["recipe_a"], call["recipe_b"]
+    bias, out_dtype, fast = call.get("bias"), call.get("out_dtype"), call.get("use_fast_accum", False)
+    kinds = (_V2_SCALINGS.get(recipe_a[0]), _V2_SCALINGS.get(recipe_b[0]))
+    if len(scale_a) != 1 or len(scale_b) != 1 or None in kinds or call.get("contraction_dim"):
+        raise HopperModelNotApplicable(f"--cpu-gemm hopper: a scaled_mm_v2 call with scalings {recipe_a} x {recipe_b} "
+                                       "is not modelled")
+    if kinds[0] != "BlockWise1x128":
+        return _hopper_v1(a, b, scale_a[0], scale_b[0], bias=bias, out_dtype=out_dtype, use_fast_accum=fast)
+    if bias is not None:
+        raise HopperModelNotApplicable("--cpu-gemm hopper: a block-scaled call with a bias is not modelled")
+    blocks = a.shape[1] // 128
+    tiles = "128x128" if kinds[1] == "BlockWise128x128" else "1x128"
+    b_scale = scale_b[0][:blocks].t() if tiles == "128x128" else scale_b[0]  # cuBLASLt pads K/128 to 4 there
+    return hopper.blockwise(a, b.t(), scale_a[0], b_scale, out_dtype=out_dtype or torch.bfloat16, b_tiles=tiles,
+                            fast_accum=fast).value
+
+
+class HopperScaledMM(TorchDispatchMode):
+    """While active, CPU aten._scaled_mm and aten._scaled_mm_v2 calls are computed as the H200 computes them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t not in _PLAIN_TYPES for t in types):
+            return NotImplemented
+        v2 = hasattr(aten, "_scaled_mm_v2") and func is aten._scaled_mm_v2.default
+        if (func is aten._scaled_mm.default or v2) and args[0].device.type == "cpu" and args[0].dtype in _FP8:
+            names = _V2_NAMES if v2 else _V1_NAMES
+            bound = dict(zip(names, args))
+            bound.update({("a" if k == "self" else "b" if k == "mat2" else k): v for k, v in kwargs.items()})
+            return _hopper_v2(bound) if v2 else _hopper_v1(**bound)
+        kernel = custom_op_kernel(func, args)
+        if kernel is not None:
+            with self:
+                return kernel(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_V1_NAMES = ("a", "b", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
+_V2_NAMES = ("a", "b", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias", "out_dtype",
+             "contraction_dim", "use_fast_accum")

@@ -19,7 +19,8 @@ import sys
 from parity.commands import RUNS_YOUR_CODE
 from parity.worker import warm_up  # standard library only: no torch yet
 
-BUILTIN_PACKAGES = ("fp8_impl", "torchao", "emulated")  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
+# built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
+BUILTIN_PACKAGES = ("fp8_impl", "torchao", "emulated", "hopper")
 
 
 def names_your_code(value: str) -> bool:

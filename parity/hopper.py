@@ -36,6 +36,7 @@ Scales are the multipliers `_scaled_mm` takes (inverse scales): a result is acc 
 from __future__ import annotations
 
 import enum
+import importlib.util
 import math
 import warnings
 from dataclasses import dataclass
@@ -65,6 +66,11 @@ class Modelled:
     value: torch.Tensor  # [M, N] of the call's out dtype
     splits: int  # how many pieces K was split into (split-K); 1 for RowWise and BlockWise
     split_known: bool  # True: mmaemu's table decided the split; False: one split assumed (S = 1)
+
+
+def available() -> bool:
+    """Whether mmaemu is installed (without importing it)."""
+    return importlib.util.find_spec("mmaemu") is not None
 
 
 def mmaemu_module():

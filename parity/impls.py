@@ -31,7 +31,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from parity import hopper
 from parity.cases import Layout
+from parity.hopper_oracle import hopper_matmul
 from parity.oracles import emulated_matmul
 from parity.sandbox import ProcessExit, exits_raise
 from parity.recipes import DEFAULT_RECIPE, FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
@@ -75,6 +77,7 @@ class Impl:
     recipe: Recipe = DEFAULT_RECIPE  # what its numerics claim to be: decides oracle, policy, alignment
     convert_kwargs: dict = field(default_factory=dict)  # passed to a converter or to from_float
     exact: bool = False  # a float64 emulation: its results do not depend on the device
+    bit_model: bool = False  # the Hopper model (hopper:<recipe>): a GPU's bits, judged bit for bit where calibrated
     # why a case cannot run here (beyond the recipe's alignment), or None: cuda-only kernels, dtypes
     limits: Callable[[Any, str], str | None] | None = None
 
@@ -305,6 +308,17 @@ def _emulated(recipe: Recipe) -> Callable[[], Impl]:
     return load
 
 
+def _hopper(recipe: Recipe) -> Callable[[], Impl]:
+    def load() -> Impl:
+        return Impl(f"hopper:{recipe.name}", Form.FUNCTION, hopper_matmul(recipe), recipe=recipe,
+                    bit_model=True, limits=_needs_mmaemu)
+    return load
+
+
+def _needs_mmaemu(case, device_type: str) -> str | None:
+    return None if hopper.available() else "the Hopper model needs mmaemu (pip install mmaemu==0.1.0)"
+
+
 # torchao's tensorwise recipe with its weights all-gathered in FP8 under FSDP2
 # (Float8LinearConfig(enable_fsdp_float8_all_gather=True): the weight is cast to FP8 before the
 # gather, its amax all-reduced first). Only a sharded run (`check --distributed fsdp2`) takes that
@@ -331,6 +345,7 @@ BUILTINS: dict[str, Callable[[], Impl]] = {
     FSDP_FLOAT8_ALL_GATHER: _torchao_fsdp_float8_all_gather,
     "emulated": _emulated(DEFAULT_RECIPE),
     **{f"emulated:{name}": _emulated(RECIPES[name]) for name in FP8_RECIPES},
+    **{f"hopper:{name}": _hopper(RECIPES[name]) for name in FP8_RECIPES},
     **{name: _reference(recipe) for name, recipe in RECIPES.items() if not recipe.is_fp8},
 }
 del BUILTINS["fp8_impl:tensorwise"]  # it is "fp8_impl"
@@ -339,6 +354,8 @@ BUILTIN_HELP = {
     **{f"torchao:{name}": f"torchao, {name} recipe" for name in FP8_RECIPES},
     FSDP_FLOAT8_ALL_GATHER: "torchao, tensorwise, its weights all-gathered in FP8 under FSDP2",
     "emulated": "exact float64 emulation of a recipe's FP8 math (emulated:RECIPE; default tensorwise)",
+    **{f"hopper:{name}": f"the {name} recipe as an H200 computes it, bit for bit (parity.hopper's model)"
+       for name in FP8_RECIPES},
     "bf16": "nn.Linear in bfloat16",
     "fp64": "nn.Linear in float64",
 }

@@ -41,6 +41,11 @@ paired        A candidate of another recipe against a reference (rowwise against
               both are measured against fp64 on the same inputs, and the candidate may be at
               most 3 dB worse. Measured worst paired gap, rowwise vs tensorwise output over 280
               cases: 2.8 dB (power-of-two scales waste up to one bit of range).
+exact         Against hopper:<recipe>, the recipe's GEMMs as the H200 computes them (parity.hopper_oracle):
+              on a GPU whose calibration table vouches for the call (parity.calibration), every
+              element bit for bit (the model reproduced 530 of 536 calibrated H200 configurations
+              exactly, and where it did not the table says so); elsewhere the row says why it is
+              not judged here, and the accumulation policy against the float64 emulation judges it.
 none          Measured, not judged: the fp64 rows a paired comparison reads.
 
 Every policy also reports, for any candidate: a crash, a broken nn.Linear contract, a
@@ -72,6 +77,7 @@ class Policy(str, enum.Enum):
     ACCUMULATION = "accumulation"
     SQNR = "sqnr"
     PAIRED = "paired"
+    EXACT = "exact"  # bit for bit against the Hopper model where calibrated
     NONE = "none"  # measured, not judged (the fp64 rows a paired comparison reads)
 
 
@@ -82,6 +88,8 @@ def default_policy(candidate, reference) -> Policy:
         return Policy.SQNR
     if candidate.recipe is not reference.recipe:
         return Policy.PAIRED
+    if reference.bit_model:
+        return Policy.EXACT
     if reference.exact or candidate.exact:
         return Policy.ACCUMULATION
     return Policy.BITWISE
@@ -180,6 +188,10 @@ def _row_violations(row: Row, policy: Policy) -> list[Violation]:
             out.append(v(Kind.BITWISE, f"{row.n_diff} of {row.numel} elements differ", "bitwise equal",
                          f"not bitwise equal to {row.reference}: {row.n_diff} of {row.numel} elements "
                          f"differ (allowed: none; same recipe in eager mode)", Cause.VALUES_DIFFER))
+    elif policy is Policy.EXACT and row.exact is True and not row.bitwise:
+        out.append(v(Kind.EXACT, f"{row.n_diff} of {row.numel} elements differ", "bitwise equal",
+                     f"not bitwise equal to {row.reference}, the GPU's own bits: {row.n_diff} of {row.numel} "
+                     f"elements differ (allowed: none; {row.exact_why})", Cause.VALUES_DIFFER))
     elif policy is Policy.ACCUMULATION and row.bound_ratio > 1:
         out.append(v(Kind.ACCUMULATION_BOUND, row.bound_ratio, 1.0,
                      f"{row.n_beyond_bound} of {row.numel} elements differ from the exact FP8 result by more "

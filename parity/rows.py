@@ -166,6 +166,10 @@ class Row:
     n_beyond_bound: Any = NAN
     bound_index: Any = None
     dtype: str | None = None  # the candidate's dtype of this tensor
+    # policy "exact" (parity.hopper_oracle): True where the calibration vouches for the call and the row is
+    # judged bit for bit against the Hopper model, False where it does not (exact_why says why)
+    exact: Any = None
+    exact_why: str | None = None
     # the sweep's: the named shape or "sampled" / "edge case"; the device of a sharded sweep
     shape: str | None = None
     gpu: str | None = None
@@ -188,8 +192,9 @@ class Row:
 
 
 COLUMNS = tuple(f.name for f in fields(Row))
-# in a table only where some row has them: a saved case's file; a sweep's label; a sharded sweep's device
-OPTIONAL_COLUMNS = ("path", "shape", "gpu")
+# in a table only where some row has them: a saved case's file; a sweep's label; a sharded sweep's device;
+# the exact policy's judgement
+OPTIONAL_COLUMNS = ("path", "shape", "gpu", "exact", "exact_why")
 _JOINED = {"contract", "scaled_mm", "operands"}  # "; "-joined problems and findings
 
 
@@ -237,7 +242,9 @@ def _read(record: Mapping) -> Row:
     stages = _text(values.get("operand_stages"))  # a list of stage names
     values["operand_stages"] = frozenset(Stage(s) for s in stages.split(",")) if stages else frozenset()
     values["skipped"] = _text(values.get("skipped")) or None
-    for name in ("recipe", "policy", "path", "shape", "gpu", "dtype", "reference_recipe"):
+    if "exact" in values and not isinstance(values["exact"], bool):  # a re-read table's empty cell
+        values["exact"] = None
+    for name in ("recipe", "policy", "path", "shape", "gpu", "dtype", "reference_recipe", "exact_why"):
         if name in values and not isinstance(values[name], str):
             values[name] = "" if name in ("recipe", "policy") else None
     return Row(**values)

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from parity import cpu_gemm, oracles, sandbox, worker
+from parity import cpu_gemm, hopper_oracle, oracles, sandbox, worker
 from parity.cases import Case
 from parity.contract import (Breach, CallProblem, ContractProblem, ScaledMMCall, ScaledMMRecorder, TensorContract,
                              contract_problems, expected_contract, sm90_problems)
@@ -185,7 +185,7 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
     guards = contextlib.ExitStack()
     guards.enter_context(sandbox.exits_raise())
     if data.device.type == "cpu" and cpu_gemm.enabled():  # below the recorder: it records a call, this computes it
-        guards.enter_context(cpu_gemm.FastScaledMM())
+        guards.enter_context(cpu_gemm.kernel())
     state = sandbox.GlobalState.capture()
     try:
         module, weight, bias = impl.build(linear)
@@ -292,7 +292,8 @@ def _bound(row: Row, data: CaseData, emulated, recipe, device_type: str, got, wa
     tensor, case = row.tensor, data.case
     fast = tensor != "grad_bias" and recipe.gemm(tensor).fast_accum
     magnitude, inner, value = oracles.magnitude_of(emulated[row.step], data.steps[row.step], tensor)
-    gamma = oracles.accumulation_gamma(inner, device_type=device_type if tensor != "grad_bias" else "cpu",
+    accumulates_on = "cuda" if device_type == "cuda" or cpu_gemm.mode() == "hopper" else "cpu"  # the model's sums
+    gamma = oracles.accumulation_gamma(inner, device_type=accumulates_on if tensor != "grad_bias" else "cpu",
                                        fast_accum=fast)
     row.bound_ratio, row.n_beyond_bound, row.bound_index = oracles.accumulation_excess(
         got, want, magnitude=magnitude, gamma=gamma, gemm_value=value,
@@ -341,7 +342,20 @@ def compare_executions(data: CaseData, candidate: Execution, reference: Executio
                                overflow_dtype=min(chain, key=lambda dtype: torch.finfo(dtype).max)))
             if emulated_steps is not None:
                 _bound(row, data, emulated_steps, recipe, device_type, got, want)
+            if reference.impl.bit_model:
+                _exactness(row, data, recipe, device_type)
     return rows
+
+
+def _exactness(row: Row, data: CaseData, recipe, device_type: str) -> None:
+    """Whether the row is judged bit for bit against the Hopper model (the calibration vouches for its GEMM
+    call on this GPU), and why or why not (parity.hopper_oracle.exactness_of). The device is the run's: a small
+    case's results are compared on the host, but they were computed on the GPU."""
+    step = data.steps[row.step]
+    K, N = step.input.shape[-1], step.weight.shape[0]
+    judged = hopper_oracle.exactness_of(recipe, row.tensor, step.input.numel() // K, K, N, data.case.torch_input_dtype,
+                                        torch.device(device_type))
+    row.exact, row.exact_why = judged.exact, judged.why
 
 
 def crash_rows(case: Case, comparisons: Sequence[Comparison], error, *, culprit: str,

@@ -180,7 +180,7 @@ def _fast_gemm(run: Run, device: str):
     elsewhere. Scoped to the fp8 runs' forward and backward: a dispatch mode costs every op a Python
     call, which the high-precision runs, the comparisons and the numerics need not pay."""
     if device == "cpu" and cpu_gemm.enabled() and run.impl.recipe.is_fp8:
-        return cpu_gemm.FastScaledMM()
+        return cpu_gemm.kernel()
     return contextlib.nullcontext()
 
 

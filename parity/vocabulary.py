@@ -76,6 +76,7 @@ class Kind(Word):
 
     BITWISE = "bitwise"
     ACCUMULATION_BOUND = "accumulation_bound"
+    EXACT = "exact"  # not bit for bit the Hopper model's result where the calibration vouches for the call
     OPERAND = "operand"  # a recorded GEMM call handed other operands than the recipe's oracle
     SQNR_DB = "sqnr_db"
     PAIRED_SQNR_DB = "paired_sqnr_db"

@@ -144,8 +144,8 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: boo
             continue
         if message is None:
             break
-        fn, args, kwargs, threads = message
-        _match_host_threads(threads)
+        fn, args, kwargs, settings = message
+        _match_parent(settings)
         try:
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as err:  # noqa: BLE001 - the harness's own error: sent back with its traceback
@@ -157,19 +157,32 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: boo
     os._exit(0)
 
 
-# A worker computes what its parent would (the oracles' float64 GEMMs run on the host), so it uses the
-# parent's host threads, not torch's default of one per core: with eight sharded scorers on the H200
-# machine (16 cores) each worker's 16 threads left every shard without one finished entry in 200 s;
-# with 2 threads each, held-out set 15 scored in 127 s (this session's H200 runs, 2026-12-02).
-def _match_host_threads(threads: int | None) -> None:
+# A worker computes what its parent would, with each task its parent's settings:
+# - the host threads (the oracles' float64 GEMMs run on the host), not torch's default of one per core:
+#   with eight sharded scorers on the H200 machine (16 cores) each worker's 16 threads left every shard
+#   without one finished entry in 200 s; with 2 threads each, held-out set 15 scored in 127 s (2026-12-02);
+# - the CPU kernel of scaled GEMM calls (parity.cpu_gemm: fast, hopper or torch), which a fork server
+#   started before the option was read would not know.
+def _match_parent(settings: dict) -> None:
+    threads = settings.get("threads")
     if threads and "torch" in sys.modules and sys.modules["torch"].get_num_threads() != threads:
         sys.modules["torch"].set_num_threads(threads)
+    for name, value in settings.get("environ", {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
-def _parent_host_threads() -> int | None:
-    """The parent's torch host threads when it has imported torch (set_num_threads is per process)."""
+INHERITED_ENVIRON = ("FP8_PARITY_CPU_SCALED_MM",)
+
+
+def _parent_settings() -> dict:
+    """What a task carries of its parent: torch's host threads (when it has imported torch) and the
+    environment the harness reads at run time."""
     torch = sys.modules.get("torch")
-    return torch.get_num_threads() if torch is not None else None
+    return dict(threads=torch.get_num_threads() if torch is not None else None,
+                environ={name: os.environ.get(name) for name in INHERITED_ENVIRON})
 
 
 def _preload_cuda() -> None:
@@ -371,7 +384,7 @@ class Worker:
         if self._process is None or not self._process.is_alive():
             self._start()
         self._phase.value = b""
-        self._conn.send((fn, args, kwargs, _parent_host_threads()))
+        self._conn.send((fn, args, kwargs, _parent_settings()))
         deadline = last = time.monotonic()
         deadline += time_limit
         spent: dict[tuple[str, str], float] = {}  # seconds seen in each (implementation, phase)

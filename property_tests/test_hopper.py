@@ -171,7 +171,9 @@ def test_calibrate_without_a_gpu_says_it_cannot_run_here():
 def test_the_committed_h200_table_is_complete_and_says_where_the_model_is_exact():
     table = calibration.load_table("NVIDIA H200")
     assert table is not None and len(table) == len(calibration.grid()) >= 500
-    assert "measured 536 of 536" in calibration.table_path("NVIDIA H200").read_text().splitlines()[3]
+    grid = len(calibration.grid())
+    header = calibration.table_path("NVIDIA H200").read_text().splitlines()[3]
+    assert f"measured {grid} of {grid} configurations" in header
     assert set(table["kind"]) == {kind.value for kind in CallKind}
     assert table["bitwise"].mean() >= 0.95
     split = Config(CallKind.TENSORWISE, "e4m3", "e4m3", "bfloat16", True, 128, 8192, 128)
@@ -203,3 +205,104 @@ def test_the_model_computes_the_gpus_bits(config):
     row = calibration.measure(config, "cuda")
     assert not row["error"], row["error"]
     assert row["bitwise"], f"{config.id}: {row['equal_fraction']:.2%} of the elements bit-equal"
+
+
+# ---- the exact oracle (hopper:<recipe>) and the CPU that computes the H200's bits ----------------------------
+
+
+@pytest.fixture
+def cpu_gemm_hopper(monkeypatch):
+    """--cpu-gemm hopper for one test: every CPU scaled GEMM call through the model."""
+    from parity.cpu_gemm import ENV
+    monkeypatch.setenv(ENV, "hopper")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_with_the_cpu_computing_hoppers_bits_fp8_impl_is_the_model_bit_for_bit(recipe, cpu_gemm_hopper):
+    from parity.check import CheckPlan, exact_line, run_check
+    from parity.impls import load_impl
+    plan = CheckPlan.make(load_impl("fp8_impl", recipe=recipe), device="cpu")
+    assert f"hopper:{recipe}" in [c.reference.name for c in plan.comparisons]
+    result = run_check(plan, device="cpu", max_examples=8, seed=1)
+    assert result.verdict == "pass", [v.message for v in result.violations]
+    judged = [row for row in result.rows if row.reference == f"hopper:{recipe}" and row.exact]
+    assert judged and all(row.bitwise for row in judged)
+    assert exact_line(result.rows, plan).startswith(f"exact: judged bit for bit against hopper:{recipe}")
+
+
+def test_with_the_cpu_computing_hoppers_bits_fast_accumulation_shows_in_the_numbers(cpu_gemm_hopper):
+    """A zoo mutant that asks for fast accumulation in grad_input (inner dim N = 512; within 128 products the two
+    modes agree): a CPU's own kernel ignores the flag (only the recorded call shows it); through the model the
+    numbers differ from the H200's."""
+    from parity.cases import parse_case_id
+    from parity.check import CheckPlan, run_check
+    from parity.impls import load_impl
+    from parity.vocabulary import Kind
+    plan = CheckPlan.make(load_impl("evals/zoo/mutants.py:grad_input_fast_accum"), device="cpu")
+    result = run_check(plan, device="cpu", cases=[parse_case_id("M64K128N512|normal|seed3")])  # inner N: 512
+    exact = [v for v in result.violations if v.kind is Kind.EXACT]
+    assert [v.tensor for v in exact] == ["grad_input"], [v.message for v in result.violations]
+
+
+def test_without_the_model_the_cpu_is_not_judged_bit_for_bit(monkeypatch):
+    from parity.check import CheckPlan
+    from parity.cpu_gemm import ENV
+    from parity.impls import load_impl
+    monkeypatch.delenv(ENV, raising=False)
+    plan = CheckPlan.make(load_impl("fp8_impl"), device="cpu")
+    assert not any(c.reference.bit_model for c in plan.comparisons)
+
+
+def test_a_worker_computes_with_its_parents_cpu_gemm(monkeypatch):
+    from parity import cpu_gemm
+    from parity.worker import Worker
+    runner = Worker("cpu")
+    try:
+        for value in ("hopper", "torch"):
+            monkeypatch.setenv(cpu_gemm.ENV, value)
+            assert runner.call(cpu_gemm.mode, time_limit=60) == value
+    finally:
+        runner.close()
+
+
+def test_the_oracle_of_a_blockwise_recipe_is_not_judged_bit_for_bit_on_a_cpu(cpu_gemm_hopper):
+    from parity.hopper_oracle import exactness_of
+    from parity.recipes import RECIPES
+    judged = exactness_of(RECIPES["blockwise"], "output", 128, 256, 128, torch.bfloat16, torch.device("cpu"))
+    assert not judged.exact and "no block-scaled _scaled_mm" in judged.why
+    tensorwise = exactness_of(RECIPES["tensorwise"], "output", 64, 128, 96, torch.bfloat16, torch.device("cpu"))
+    assert tensorwise.exact, tensorwise.why
+
+
+def test_the_cpus_hopper_kernel_serves_both_scaled_mm_ops_alike():
+    """torch._scaled_mm (aten._scaled_mm) and torch.nn.functional.scaled_mm (aten._scaled_mm_v2) of the same
+    operands give the model's bits under --cpu-gemm hopper: implementations written either way run one kernel."""
+    import torch.nn.functional as F
+
+    from parity.cpu_gemm import HopperScaledMM
+    a, b = _small_integers(32, 256, 9).float().mul(3.5).to(E4), (torch.randn(48, 256) * 20).to(E4)
+    scale_a, scale_b = torch.tensor(0.37), torch.tensor(0.011)
+    want = hopper.tensorwise(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, fast_accum=True).value
+    with HopperScaledMM():
+        v1 = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                              use_fast_accum=True)
+        v2 = F.scaled_mm(a, b.t(), scale_a, F.ScalingType.TensorWise, scale_b, F.ScalingType.TensorWise,
+                         output_dtype=torch.bfloat16, use_fast_accum=True)
+    assert torch.equal(v1.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(v2.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_small_case_computed_on_the_gpu_is_judged_by_the_gpus_table_though_compared_on_the_host(monkeypatch):
+    """Small cases' results are compared on the host (parity.runner._move_to_host): the row is still the GPU's."""
+    from parity import runner
+    from parity.cases import parse_case_id
+    from parity.data import make_data
+    from parity.recipes import RECIPES
+    from parity.rows import Row
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    case = parse_case_id("M64K128N96|normal|seed0")
+    row = Row(case_id=case.id, **case.as_record(), impl="fp8_impl", reference="hopper:tensorwise",
+              recipe="tensorwise", reference_recipe="tensorwise", policy="exact", device="cuda", tensor="output",
+              step=0)
+    runner._exactness(row, make_data(case, "cpu"), RECIPES["tensorwise"], "cuda")
+    assert row.exact is True, row.exact_why
