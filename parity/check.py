@@ -62,7 +62,9 @@ class CheckPlan:
                 reference.exact and reference.recipe is candidate.recipe):
             comparisons.append(Comparison(candidate, load_impl(emulation), Policy.ACCUMULATION))
         model = builtin_for_recipe("hopper", candidate.recipe)
-        bits = torch.device(device).type == "cuda" or cpu_gemm.mode() == "hopper"  # the GPU's, or the model's
+        # the GPU's bits, or the model's on a CPU (whose block-scaled GEMMs are no _scaled_mm calls the model sees)
+        bits = torch.device(device).type == "cuda" or (
+            cpu_gemm.mode() == "hopper" and all(gemm.kind != "BlockWise" for gemm in candidate.recipe.gemms))
         if oracle and model and bits and not (candidate.exact or candidate.bit_model) \
                 and reference.name != model and hopper.available():
             comparisons.append(Comparison(candidate, load_impl(model), Policy.EXACT))  # bit for bit where calibrated
