@@ -309,6 +309,7 @@ def _add_test(commands) -> None:
     test.add_argument("--recipe", default=None, metavar="RECIPE", help="the recipe --impl implements")
     test.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     test.add_argument("--case", default=None, metavar="CASE_ID", help="exactly this case")
+    _cpu_gemm_arg(test)
     test.add_argument("--report", type=Path, default=None, metavar="DIR", help="write the rows as a report")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
 

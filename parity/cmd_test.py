@@ -32,5 +32,6 @@ def cmd_test(args) -> int:
             *(["--fp8-against", args.against] if args.against else []),
             *(["--fp8-recipe", args.recipe] if args.recipe else []),
             *(["--fp8-case", args.case] if args.case else []),
+            *(["--fp8-cpu-gemm", args.cpu_gemm] if args.cpu_gemm else []),
             *(["--fp8-report", str(args.report)] if args.report else []), *extra]
     return EXIT_OF_PYTEST.get(int(pytest.main(argv)), EXIT_INTERNAL)

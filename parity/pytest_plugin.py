@@ -12,6 +12,8 @@ Options (all prefixed, so they never collide with yours):
     --fp8-recipe R      the recipe it implements (default tensorwise for your own code)
     --fp8-against REF   its reference (default: its recipe's, torchao's tensorwise for fp8_impl)
     --fp8-device D      auto (default: cuda with an FP8 GPU, else cpu), cpu or cuda
+    --fp8-cpu-gemm K    on a CPU, how FP8 GEMM calls are computed: fast (default), hopper (as an H200
+                        does, bit for bit, and judged against the H200's bits) or torch
     --fp8-case ID       run the property tests on exactly this case (what a failure's rerun line passes)
     --fp8-report DIR    write the metric rows the property tests computed as a report
     --fp8-seed N        the seed of non-hypothesis test data
@@ -32,7 +34,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-from parity import sharding, suite
+from parity import cpu_gemm, hopper, sharding, suite
 from parity.env import environment
 from parity.impls import ImplError
 from parity.recipes import RecipeError
@@ -75,6 +77,9 @@ def pytest_addoption(parser):
                     help="reference (default: the implementation's recipe's, torchao:tensorwise for fp8_impl)")
     group.addoption("--fp8-device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="device of the property suite (default: cuda if an FP8 GPU is present)")
+    group.addoption("--fp8-cpu-gemm", default=None, choices=list(cpu_gemm.MODES),
+                    help="on a CPU, how FP8 GEMM calls are computed: fast (default), hopper (as an H200 does, bit for "
+                         "bit) or torch")
     group.addoption("--fp8-report", default=None, metavar="DIR",
                     help="write the metric rows the property tests computed as a report into DIR")
     group.addoption("--fp8-seed", type=int, default=0, help="base seed of the data of non-hypothesis tests")
@@ -103,6 +108,11 @@ def pytest_configure(config):
             config.args[:] = [str(shipped_suite())]
         except SuiteNotInstalled as err:
             raise pytest.UsageError(str(err)) from None
+    kernel = config.getoption("--fp8-cpu-gemm")
+    if kernel is not None:  # read by every execution, here and in the workers (parity.worker passes it on)
+        if kernel == "hopper" and not hopper.available():
+            raise pytest.UsageError("--fp8-cpu-gemm hopper needs mmaemu (pip install mmaemu==0.1.0)")
+        os.environ[cpu_gemm.ENV] = kernel
     device = config.getoption("--fp8-device")
     if device == "auto":
         device = "cuda" if fp8_gpu_available() else "cpu"

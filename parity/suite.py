@@ -81,7 +81,7 @@ class Suite:
 
     @functools.cached_property
     def plan(self) -> CheckPlan:
-        return CheckPlan.make(self.candidate, self.reference)
+        return CheckPlan.make(self.candidate, self.reference, device=self.device)
 
     def cases(self, **constraints) -> st.SearchStrategy[Case]:
         """Cases for a property: the one given with --case, else generated within `constraints`."""

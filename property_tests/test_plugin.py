@@ -52,6 +52,16 @@ def test_fp8_parity_test_with_an_implementation_that_does_not_load_is_a_usage_er
     assert "fp8_imp" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+def test_the_shipped_suite_with_the_cpu_computing_hoppers_bits_judges_them(tmp_path):
+    """--fp8-cpu-gemm hopper: fast accumulation in grad_input (inner dim 512) differs from the H200's bits."""
+    pytest.importorskip("mmaemu")
+    done = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--fp8-impl", f"{ZOO}:grad_input_fast_accum",
+                "--fp8-cpu-gemm", "hopper", "--fp8-device", "cpu", "--fp8-case", "M64K128N512|normal|seed3",
+                "-k", "accuracy"], tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "not bitwise equal to hopper:tensorwise, the GPU's own bits" in done.stdout, done.stdout[-3000:]
+
+
 # ---- a scratch repository that pip-installs this one -------------------------------------------------------
 
 NANOCHAT_STYLE_FP8 = textwrap.dedent('''
