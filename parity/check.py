@@ -21,10 +21,9 @@ from hypothesis import HealthCheck, Phase, find
 from hypothesis import settings as hypothesis_settings
 from hypothesis.errors import NoSuchExample
 
-from parity import cpu_gemm, hopper
 from parity.cases import Case, edge_cases, shrink
 from parity.env import environment
-from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
+from parity.impls import Impl, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
 from parity.rows import Row, row_key
@@ -61,13 +60,9 @@ class CheckPlan:
         if oracle and candidate.recipe.is_fp8 and not candidate.exact and emulation and not (
                 reference.exact and reference.recipe is candidate.recipe):
             comparisons.append(Comparison(candidate, load_impl(emulation), Policy.ACCUMULATION))
-        model = builtin_for_recipe("hopper", candidate.recipe)
-        # the GPU's bits, or the model's on a CPU (whose block-scaled GEMMs are no _scaled_mm calls the model sees)
-        bits = torch.device(device).type == "cuda" or (
-            cpu_gemm.mode() == "hopper" and all(gemm.kind != "BlockWise" for gemm in candidate.recipe.gemms))
-        if oracle and model and bits and not (candidate.exact or candidate.bit_model) \
-                and reference.name != model and hopper.available():
-            comparisons.append(Comparison(candidate, load_impl(model), Policy.EXACT))  # bit for bit where calibrated
+        model = hopper_reference(candidate, torch.device(device).type) if oracle else None
+        if model is not None and reference.name != model.name:
+            comparisons.append(Comparison(candidate, model, Policy.EXACT))  # bit for bit where calibrated
         return cls(candidate, reference, policy, comparisons)
 
     @property

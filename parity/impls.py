@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from parity import hopper
+from parity import cpu_gemm, hopper
 from parity.cases import Layout
 from parity.hopper_oracle import hopper_matmul
 from parity.oracles import emulated_matmul
@@ -367,6 +367,19 @@ def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
     if family == "fp8_impl" and recipe is DEFAULT_RECIPE:
         return "fp8_impl"
     return name if name in BUILTINS else None
+
+
+def hopper_reference(candidate: Impl, device_type: str) -> Impl | None:
+    """hopper:<recipe> for an FP8 candidate where results are Hopper's bits: on a GPU, or on a CPU under
+    --cpu-gemm hopper (whose block-scaled GEMMs are no _scaled_mm calls the model sees); None elsewhere,
+    for an oracle itself, or without mmaemu."""
+    name = builtin_for_recipe("hopper", candidate.recipe)
+    if name is None or candidate.exact or candidate.bit_model or not hopper.available():
+        return None
+    block_scaled = any(gemm.kind == "BlockWise" for gemm in candidate.recipe.gemms)
+    if device_type == "cuda" or (cpu_gemm.mode() == "hopper" and not block_scaled):
+        return load_impl(name)
+    return None
 
 
 def reload_impl(name: str, form: str, recipe: str, reciprocal_scales: bool = False) -> Impl:

@@ -9,6 +9,7 @@ from typing import Sequence
 import pandas as pd
 
 from parity.policy import Policy, Violation, evaluate
+from parity.recipes import GEMMS, get_recipe
 from parity.vocabulary import Kind
 from parity.report_tables import overall, plural, ran, recipe_flag, skipped_mask
 from parity.results_file import validated
@@ -33,6 +34,7 @@ class Verdict:
 METRIC_PHRASES = {  # violation kind -> what the implementation did
     Kind.CRASH: "crashed", Kind.BITWISE: "differs from an implementation of its recipe",
     Kind.ACCUMULATION_BOUND: "differs from its recipe's exact FP8 result beyond accumulation and rounding",
+    Kind.EXACT: "differs from the H200's own bits (its recipe's Hopper model) where they are calibrated",
     Kind.OPERAND: "hands its GEMMs other fp8 operands or scales than its recipe's",
     Kind.SQNR_DB: "falls below the SQNR floor against fp64",
     Kind.PAIRED_SQNR_DB: "is less accurate than its paired reference",
@@ -76,11 +78,13 @@ def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
     violations = evaluate(mine)
     reference_failed = mine[mine["error"].isna() & mine["reference_error"].notna() & ~skipped_mask(mine)]
     if not violations and reference_failed.empty:
-        by_policy = judged.groupby(["policy", "reference"])["case_id"].agg(["size", "nunique"])
+        exact = judged[judged["policy"] == Policy.EXACT.value]
+        by_policy = judged[judged["policy"] != Policy.EXACT.value].groupby(["policy", "reference"])["case_id"].agg(
+            ["size", "nunique"])
         said = {"bitwise": "bitwise equal to {ref}", "accumulation": "within the accumulation bound of {ref}",
                 "sqnr": "above the SQNR floor against {ref}", "paired": "within 3 dB of {ref}'s accuracy"}
         parts = [said[p].format(ref=ref) + f" in {n}/{n} comparisons ({plural(cases, 'case')})"
-                 for (p, ref), (n, cases) in by_policy.iterrows()]
+                 for (p, ref), (n, cases) in by_policy.iterrows()] + _exact_parts(exact)
         return Verdict(True, f"PASS: {candidate} ({recipe}) is " + "; ".join(parts),
                        [accuracy, *skip_line, "no crash, no contract problem, no _scaled_mm call that would fail on "
                                               "an H100, no operand that differs from its recipe's"])
@@ -104,6 +108,23 @@ def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
                     f"{row.reference_error}" for row in reference_failed.head(DETAILS_PER_FINDING).itertuples()]
     return Verdict(False, f"FAIL: {candidate} ({recipe}) " + "; ".join(phrases), [*details, accuracy, *skip_line],
                    _next_step(mine, violations, reference_failed, candidate, recipe))
+
+
+def _exact_parts(exact: pd.DataFrame) -> list[str]:
+    """The exact policy's part of a PASS headline: bit for bit against the Hopper model in how many FP8-GEMM
+    comparisons, and why the rest were left to the accumulation bound."""
+    parts = []
+    for reference, rows in exact.groupby("reference", sort=False):
+        fp8 = rows[[tensor in GEMMS and not get_recipe(recipe).gemm(tensor).high_precision  # no grad_bias, no hp GEMM
+                    for tensor, recipe in zip(rows["tensor"], rows["recipe"])]]
+        bitwise = fp8[fp8["exact"] == True]  # noqa: E712 - a column of True, False and NaN
+        part = f"bitwise equal to {reference}, the GPU's own bits, in {len(bitwise)}/{len(fp8)} FP8-GEMM comparisons"
+        rest = fp8[fp8["exact"] != True]["exact_why"].value_counts()  # noqa: E712
+        if len(rest):
+            part += " (judged by the accumulation bound in the rest: " + "; ".join(
+                f"{why}: {count}" for why, count in rest.head(2).items()) + (", ..." if len(rest) > 2 else "") + ")"
+        parts.append(part)
+    return parts
 
 
 def _next_step(rows: pd.DataFrame, violations: Sequence[Violation], reference_failed: pd.DataFrame,

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from parity.cases import Case, Dist, Layout, edge_cases
 from parity.env import environment
-from parity.impls import Impl, builtin_for_recipe, default_reference, load_impl
+from parity.impls import Impl, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.policy import Policy, default_policy
 from parity.rows import frame as rows_frame
 from parity.rows import rows_from_frame
@@ -35,8 +35,9 @@ DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:r
 
 def sweep_comparisons(impls: Sequence[Impl], device_type: str, *, accuracy_only: bool = False) -> list[Comparison]:
     """Each implementation against fp64 (accuracy), the reference implementation of its recipe on
-    this device (parity) and its recipe's exact emulation (the accumulation bound and the
-    operands of its GEMM calls), each judged by its default policy; only against fp64 with
+    this device (parity), its recipe's exact emulation (the accumulation bound and the operands of
+    its GEMM calls) and, where results are Hopper's bits, its recipe's Hopper model (policy exact),
+    each judged by its default policy; only against fp64 with
     `accuracy_only` (an accuracy table of large layers, where the float64 emulation costs most)."""
     fp64 = load_impl("fp64")
     comparisons = []
@@ -46,6 +47,9 @@ def sweep_comparisons(impls: Sequence[Impl], device_type: str, *, accuracy_only:
             references.append(default_reference(impl, device_type))
             if not impl.exact:
                 references.append(load_impl(builtin_for_recipe("emulated", impl.recipe)))
+            model = hopper_reference(impl, device_type)
+            if model is not None:  # the GPU's own bits, where calibrated (policy exact)
+                references.append(model)
         for reference in dict.fromkeys(r.name for r in references if r.name != impl.name):
             ref = next(r for r in references if r.name == reference)
             comparisons.append(Comparison(impl, ref, default_policy(impl, ref)))

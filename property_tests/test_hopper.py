@@ -306,3 +306,25 @@ def test_a_small_case_computed_on_the_gpu_is_judged_by_the_gpus_table_though_com
               step=0)
     runner._exactness(row, make_data(case, "cpu"), RECIPES["tensorwise"], "cuda")
     assert row.exact is True, row.exact_why
+
+
+def test_a_sweeps_verdict_says_how_much_was_judged_bit_for_bit_and_survives_its_results_file(cpu_gemm_hopper,
+                                                                                            tmp_path):
+    from parity.cases import parse_case_id
+    from parity.impls import load_impl
+    from parity.report_verdict import verdict
+    from parity.runner import run_cases
+    from parity.sweep import sweep_comparisons
+    cases = [parse_case_id("M64K128N96|normal|seed0"), parse_case_id("M32K64N48|in:fp16:C|w:bf16:C|go:C|normal|seed1")]
+    comparisons = sweep_comparisons([load_impl("fp8_impl")], "cpu")
+    assert "hopper:tensorwise" in [c.reference.name for c in comparisons]
+    frame = run_cases(cases, comparisons, device="cpu")
+    said = verdict(frame, candidate="fp8_impl")
+    assert said.ok, said.headline
+    # bf16 case: its three GEMMs; fp16 case: not calibrated (fp16 out), left to the bound with the reason
+    assert "bitwise equal to hopper:tensorwise, the GPU's own bits, in 3/6 FP8-GEMM comparisons" in said.headline
+    assert "-> float16" in said.headline
+    path = tmp_path / "results.csv"
+    frame.to_csv(path, index=False)
+    again = verdict(pd.read_csv(path), candidate="fp8_impl")
+    assert again.headline == said.headline
