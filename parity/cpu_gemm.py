@@ -31,6 +31,10 @@ from parity.contract import custom_op_kernel
 aten = torch.ops.aten
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# the schema names of aten._scaled_mm's and aten._scaled_mm_v2's arguments (self -> a, mat2 -> b)
+_V1_NAMES = ("a", "b", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
+_V2_NAMES = ("a", "b", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias", "out_dtype",
+             "contraction_dim", "use_fast_accum")
 
 
 MODES = ("fast", "hopper", "torch")
@@ -74,6 +78,25 @@ def _fast(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, 
     return out.to(out_dtype or a.dtype)
 
 
+def _bound(names: tuple[str, ...], args, kwargs) -> dict:
+    """An aten scaled-mm call's arguments by schema name (self -> a, mat2 -> b)."""
+    bound = dict(zip(names, args))
+    bound.update({("a" if k == "self" else "b" if k == "mat2" else k): v for k, v in kwargs.items()})
+    return bound
+
+
+def _fast_v2(call: dict) -> torch.Tensor | None:
+    """An aten._scaled_mm_v2 call with one TensorWise or RowWise scale per operand, as _fast computes the
+    _scaled_mm call it stands for; None for the others (block scales, swizzles, a contraction dim)."""
+    recipes = (tuple(call.get("recipe_a", ())), tuple(call.get("recipe_b", ())))
+    plain = all(len(r) == 1 and r[0] in (0, 1) for r in recipes)  # ScalingType.TensorWise, RowWise
+    swizzled = any(any(call.get(name) or ()) for name in ("swizzle_a", "swizzle_b"))
+    if not plain or swizzled or call.get("contraction_dim") or len(call["scale_a"]) != 1 or len(call["scale_b"]) != 1:
+        return None
+    return _fast(call["a"], call["b"], call["scale_a"][0], call["scale_b"][0], bias=call.get("bias"),
+                 out_dtype=call.get("out_dtype"), use_fast_accum=call.get("use_fast_accum", False))
+
+
 class FastScaledMM(TorchDispatchMode):
     """While active, CPU tensorwise and rowwise aten._scaled_mm calls run as an fp32 matmul."""
 
@@ -82,10 +105,13 @@ class FastScaledMM(TorchDispatchMode):
         if any(t not in _PLAIN_TYPES for t in types):
             return NotImplemented
         if func is aten._scaled_mm.default:
-            names = ("a", "b", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
-            bound = dict(zip(names, args))
-            bound.update({("a" if k == "self" else "b" if k == "mat2" else k): v for k, v in kwargs.items()})
-            out = _fast(**bound)
+            out = _fast(**_bound(_V1_NAMES, args, kwargs))
+            if out is not None:
+                return out
+        if hasattr(aten, "_scaled_mm_v2") and func is aten._scaled_mm_v2.default:
+            # torch.nn.functional.scaled_mm: the same kernel as _scaled_mm for the calls it handles, so that an
+            # implementation written with either API computes the same bits as its reference
+            out = _fast_v2(_bound(_V2_NAMES, args, kwargs))
             if out is not None:
                 return out
         kernel = custom_op_kernel(func, args)
@@ -154,9 +180,7 @@ class HopperScaledMM(TorchDispatchMode):
             return NotImplemented
         v2 = hasattr(aten, "_scaled_mm_v2") and func is aten._scaled_mm_v2.default
         if (func is aten._scaled_mm.default or v2) and args[0].device.type == "cpu" and args[0].dtype in _FP8:
-            names = _V2_NAMES if v2 else _V1_NAMES
-            bound = dict(zip(names, args))
-            bound.update({("a" if k == "self" else "b" if k == "mat2" else k): v for k, v in kwargs.items()})
+            bound = _bound(_V2_NAMES if v2 else _V1_NAMES, args, kwargs)
             return _hopper_v2(bound) if v2 else _hopper_v1(**bound)
         kernel = custom_op_kernel(func, args)
         if kernel is not None:
@@ -164,7 +188,3 @@ class HopperScaledMM(TorchDispatchMode):
                 return kernel(*args, **kwargs)
         return func(*args, **kwargs)
 
-
-_V1_NAMES = ("a", "b", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
-_V2_NAMES = ("a", "b", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias", "out_dtype",
-             "contraction_dim", "use_fast_accum")

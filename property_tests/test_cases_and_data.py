@@ -91,3 +91,26 @@ def test_shrink_takes_simplifications_while_the_failure_persists():
     minimal = shrink(start, lambda c: c.input_layout is Layout.TRANSPOSED and c.K >= 64)
     assert minimal == Case(lead=(16,), K=64, N=16, input_layout="T")
     assert all(simpler != start for _, simpler in simplifications(start))
+
+
+@pytest.mark.parametrize("scaling", ["TensorWise", "RowWise"])
+def test_the_cpus_fast_kernel_serves_scaled_mm_and_scaled_mm_v2_alike(scaling):
+    """An implementation written with torch.nn.functional.scaled_mm (aten._scaled_mm_v2) runs the same CPU
+    kernel as one written with torch._scaled_mm: torch's own CPU kernel rounds the scaling in another order
+    (410 of 512 fp32 elements differ from the fast kernel's on this case), which made a correct F.scaled_mm
+    layer differ from torchao."""
+    import torch.nn.functional as F
+
+    from parity.cpu_gemm import FastScaledMM
+    generator = torch.Generator().manual_seed(0)
+    a = (torch.randn(16, 64, generator=generator) * 20).to(torch.float8_e4m3fn)
+    b = (torch.randn(32, 64, generator=generator) * 20).to(torch.float8_e4m3fn)
+    if scaling == "TensorWise":
+        scale_a, scale_b = torch.rand((), generator=generator) + 0.01, torch.rand((), generator=generator) + 0.01
+    else:
+        scale_a, scale_b = torch.rand(16, 1, generator=generator) + 0.01, torch.rand(1, 32, generator=generator) + 0.01
+    kind = getattr(F.ScalingType, scaling)
+    with FastScaledMM():
+        v1 = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+        v2 = F.scaled_mm(a, b.t(), scale_a, kind, scale_b, kind, output_dtype=torch.float32)
+    assert torch.equal(v1, v2)

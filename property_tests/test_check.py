@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,13 @@ def test_a_backward_that_writes_into_grad_output_is_a_contract_finding(tmp_path)
     assert result.verdict == "fail"
     assert any(v.metric == "contract" and "grad_output was modified in place by backward" in v.message
                for v in result.violations), [v.message for v in result.violations]
+
+
+def test_a_correct_layer_written_with_functional_scaled_mm_passes_on_the_cpu():
+    """torch.nn.functional.scaled_mm (aten._scaled_mm_v2) and torchao's torch._scaled_mm run the same CPU
+    kernel: before, the candidate ran torch's own and differed from torchao in 1 of 512 elements."""
+    from parity.check import CheckPlan, run_check
+    from parity.impls import load_impl
+    impl = load_impl(str(Path(__file__).parent / "impls" / "scaled_mm_v2_tensorwise.py") + ":matmul")
+    result = run_check(CheckPlan.make(impl, device="cpu"), device="cpu", max_examples=40)
+    assert result.verdict == "pass", [v.message for v in result.violations]
