@@ -76,28 +76,10 @@ def gemm(recipe: Recipe, name: str, a_hp: torch.Tensor, b_hp_t: torch.Tensor, ou
     return value
 
 
-class _HopperMatmul(torch.autograd.Function):
-    """`input_2d @ weight.T` with the recipe's FP8 GEMMs computed as Hopper computes them."""
-
-    @staticmethod
-    def forward(ctx, input_2d, weight, recipe: Recipe):
-        ctx.save_for_backward(input_2d, weight)
-        ctx.recipe = recipe
-        return gemm(recipe, "output", input_2d, weight, input_2d.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input_2d, weight = ctx.saved_tensors
-        views = oracles.operand_views(input_2d, weight, grad_output)
-        grad_input = gemm(ctx.recipe, "grad_input", *views["grad_input"], grad_output.dtype)
-        grad_weight = gemm(ctx.recipe, "grad_weight", *views["grad_weight"], grad_output.dtype)
-        return grad_input, grad_weight.to(weight.dtype), None
-
-
 def hopper_matmul(recipe: Recipe):
     """The `hopper:<recipe>` built-in: the recipe on the H200, bit for bit, as a function implementation."""
     def matmul(input_2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _HopperMatmul.apply(input_2d, weight, recipe)
+        return oracles.RecipeMatmul.apply(input_2d, weight, recipe, gemm)
     matmul.__name__ = f"hopper_{recipe.name}"
     return matmul
 

@@ -235,23 +235,25 @@ def result_dtypes(recipe: Recipe, gemm_name: str, out_dtype: torch.dtype) -> lis
     return [out_dtype]
 
 
-class _EmulatedMatmul(torch.autograd.Function):
-    """`input_2d @ weight.T` with a recipe's exact FP8 numerics, as a differentiable function."""
+class RecipeMatmul(torch.autograd.Function):
+    """`input_2d @ weight.T` whose three GEMMs `compute(recipe, name, A, B.T, out_dtype)` computes, as a
+    differentiable function: the float64 emulation here (_emulated_gemm), the Hopper model in
+    parity.hopper_oracle."""
 
     @staticmethod
-    def forward(ctx, input_2d, weight, recipe: Recipe):
+    def forward(ctx, input_2d, weight, recipe: Recipe, compute):
         ctx.save_for_backward(input_2d, weight)
-        ctx.recipe = recipe
-        return _emulated_gemm(recipe, "output", input_2d, weight, input_2d.dtype)
+        ctx.recipe, ctx.compute = recipe, compute
+        return compute(recipe, "output", input_2d, weight, input_2d.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         input_2d, weight = ctx.saved_tensors
         views = operand_views(input_2d, weight, grad_output)
-        grad_input = _emulated_gemm(ctx.recipe, "grad_input", *views["grad_input"], grad_output.dtype)
+        grad_input = ctx.compute(ctx.recipe, "grad_input", *views["grad_input"], grad_output.dtype)
         # Rounded to grad_output's dtype first, as a real FP8 GEMM writes it, then cast.
-        grad_weight = _emulated_gemm(ctx.recipe, "grad_weight", *views["grad_weight"], grad_output.dtype)
-        return grad_input, grad_weight.to(weight.dtype), None
+        grad_weight = ctx.compute(ctx.recipe, "grad_weight", *views["grad_weight"], grad_output.dtype)
+        return grad_input, grad_weight.to(weight.dtype), None, None
 
 
 def _emulated_gemm(recipe: Recipe, name: str, a: torch.Tensor, bt: torch.Tensor, out_dtype: torch.dtype):
@@ -265,7 +267,7 @@ def _emulated_gemm(recipe: Recipe, name: str, a: torch.Tensor, bt: torch.Tensor,
 def emulated_matmul(recipe: Recipe = TENSORWISE):
     """The `emulated:<recipe>` built-in: exact FP8 math in the function form of an implementation."""
     def matmul(input_2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _EmulatedMatmul.apply(input_2d, weight, recipe)
+        return RecipeMatmul.apply(input_2d, weight, recipe, _emulated_gemm)
     matmul.__name__ = f"emulated_{recipe.name}"
     return matmul
 
