@@ -141,7 +141,7 @@ def hardware(config: Config, a, b_rows, scale_a, scale_b) -> torch.Tensor:
     if config.kind is not CallKind.BLOCKWISE:
         return torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out,
                                 use_fast_accum=config.fast_accum)
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # only here: the one block-scaled call of the grid
     scale_a = scale_a.t().contiguous().t()
     if config.b_tiles == "1x128":
         scale_b, kind_b = scale_b.t().contiguous().t(), F.ScalingType.BlockWise1x128
@@ -199,7 +199,7 @@ def table_path(gpu_name: str) -> Path:
 
 def load_table(gpu_name: str):
     """The committed calibration table of this GPU (a DataFrame), or None when it was never calibrated."""
-    import pandas as pd
+    import pandas as pd  # on first use: impls imports this module, and `fp8-parity --help` need not load pandas
     path = table_path(gpu_name)
     if not path.exists():
         return None

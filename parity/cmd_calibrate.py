@@ -47,7 +47,7 @@ def cmd_calibrate(args) -> int:
                 break
             rows.append(calibration.measure(config))
             progress(index + 1, len(planned))
-    import pandas as pd
+    import pandas as pd  # for the table once measured (the command body's only use of it)
     complete = len(rows) == len(grid)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as handle:
