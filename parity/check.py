@@ -23,7 +23,7 @@ from hypothesis.errors import NoSuchExample
 
 from parity.cases import Case, edge_cases, shrink
 from parity.env import environment
-from parity.impls import Impl, builtin_for_recipe, default_reference, hopper_reference, load_impl
+from parity.impls import Impl, ImplError, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
 from parity.rows import Row, row_key
@@ -51,6 +51,9 @@ class CheckPlan:
         against its recipe's exact emulation (which separates accumulation from real bugs and
         compares the fp8 operands and scales of every recorded GEMM call)."""
         reference = reference or default_reference(candidate, torch.device(device).type)
+        if reference.bit_model and hopper_reference(reference, torch.device(device).type, as_reference=True) is None:
+            raise ImplError(f"--against {reference.name} judges Hopper's bits, and results on {device} are not: run "
+                            f"on a GPU, or on a CPU add --cpu-gemm hopper (not for block-scaled recipes)")
         policy = Policy(policy) if policy else default_policy(candidate, reference)
         comparisons = [Comparison(candidate, reference, policy)]
         if policy is Policy.PAIRED:  # both measured against fp64 on the same inputs

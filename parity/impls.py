@@ -369,12 +369,12 @@ def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
     return name if name in BUILTINS else None
 
 
-def hopper_reference(candidate: Impl, device_type: str) -> Impl | None:
+def hopper_reference(candidate: Impl, device_type: str, *, as_reference: bool = False) -> Impl | None:
     """hopper:<recipe> for an FP8 candidate where results are Hopper's bits: on a GPU, or on a CPU under
     --cpu-gemm hopper (whose block-scaled GEMMs are no _scaled_mm calls the model sees); None elsewhere,
-    for an oracle itself, or without mmaemu."""
+    for an oracle itself (unless `as_reference`: may this oracle be a reference here?), or without mmaemu."""
     name = builtin_for_recipe("hopper", candidate.recipe)
-    if name is None or candidate.exact or candidate.bit_model or not hopper.available():
+    if name is None or (not as_reference and (candidate.exact or candidate.bit_model)) or not hopper.available():
         return None
     block_scaled = any(gemm.kind == "BlockWise" for gemm in candidate.recipe.gemms)
     if device_type == "cuda" or (cpu_gemm.mode() == "hopper" and not block_scaled):

@@ -328,3 +328,13 @@ def test_a_sweeps_verdict_says_how_much_was_judged_bit_for_bit_and_survives_its_
     frame.to_csv(path, index=False)
     again = verdict(pd.read_csv(path), candidate="fp8_impl")
     assert again.headline == said.headline
+
+
+def test_the_hopper_oracle_as_the_reference_where_results_are_not_hoppers_bits_is_a_usage_error(monkeypatch):
+    """Against hopper:R a CPU's own kernel would be judged nowhere bit for bit: a PASS that judged nothing."""
+    from parity.cpu_gemm import ENV
+    monkeypatch.delenv(ENV, raising=False)
+    done = subprocess.run([sys.executable, "-m", "parity", "check", "--impl", "fp8_impl", "--against",
+                           "hopper:tensorwise", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "judges Hopper's bits, and results on cpu are not" in done.stderr
