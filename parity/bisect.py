@@ -39,11 +39,11 @@ import torch
 
 from parity.case_findings import examine, run_again
 from parity.cases import Case, Dist
-from parity.check import CheckPlan, run_check
+from parity.check import CheckPlan, rerun_command, run_check
 from parity.classification import blame, classify
 from parity.evidence import add_evidence
 from parity.findings import Finding, Trigger, labels
-from parity.impls import builtin_for_recipe, load_impl, with_reciprocal_scales
+from parity.impls import builtin_for_recipe, load_impl, recipe_flag, with_reciprocal_scales
 from parity.localization import CrashNote, Localization, Outcome, gemm_order, is_gpu_lint
 from parity.mistakes import RECIPROCAL_SCALES_HYPOTHESIS
 from parity.recipes import GEMMS
@@ -321,7 +321,7 @@ def render(result: Localization) -> str:
         "  evidence:",
         *[f"    - {line}" for line in result.evidence],
         "",
-        f"Rerun: fp8-parity check --impl {plan.candidate.name} --against {plan.reference.name} --device "
-        f"{result.device} --case '{result.minimal_case.id}'",
+        "Rerun: " + rerun_command(plan.candidate.name, plan.reference.name, result.device,
+                                  recipe_flag(plan.candidate.name, plan.candidate.recipe.name))(result.minimal_case),
     ]
     return "\n".join(lines) + "\n"

@@ -369,6 +369,12 @@ def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:
     return name if name in BUILTINS else None
 
 
+def recipe_flag(impl: str, recipe: str) -> list[str]:
+    """`--recipe RECIPE` for the user's code of a recipe other than the default (a built-in knows its own): what a
+    printed command needs to judge the implementation as it was judged."""
+    return [] if impl in BUILTINS or recipe == DEFAULT_RECIPE.name else ["--recipe", recipe]
+
+
 def hopper_reference(candidate: Impl, device_type: str, *, as_reference: bool = False) -> Impl | None:
     """hopper:<recipe> for an FP8 candidate where results are Hopper's bits: on a GPU, or on a CPU under
     --cpu-gemm hopper (whose block-scaled GEMMs are no _scaled_mm calls the model sees); None elsewhere,

@@ -16,7 +16,7 @@ import pandas as pd
 
 from parity.cases import TENSORS, CaseError, Dist, parse_case_id
 from parity.check import rerun_command
-from parity.impls import BUILTINS
+from parity.impls import recipe_flag
 from parity.policy import ACCURACY_REFERENCE, Policy, evaluate, row_policy, sqnr_floor
 from parity.recipes import DEFAULT_RECIPE, get_recipe
 from parity.results_file import validated
@@ -183,11 +183,6 @@ def summary_tables(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
         "by_layout": _median_sqnr_by(layouts, "layout"),
         "by_dtype": _median_sqnr_by(accuracy.assign(dtypes=dtype_label(accuracy)), "dtypes"),
     }
-
-
-def recipe_flag(impl: str, recipe: str) -> list[str]:
-    """`--recipe RECIPE` for the user's code of a recipe other than the default (a built-in knows its own)."""
-    return [] if impl in BUILTINS or recipe == DEFAULT_RECIPE.name else ["--recipe", recipe]
 
 
 def _rerun(row: Row) -> str:

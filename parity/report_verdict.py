@@ -11,7 +11,8 @@ import pandas as pd
 from parity.policy import Policy, Violation, evaluate
 from parity.recipes import GEMMS, get_recipe
 from parity.vocabulary import Kind
-from parity.report_tables import overall, plural, ran, recipe_flag, skipped_mask
+from parity.impls import recipe_flag
+from parity.report_tables import overall, plural, ran, skipped_mask
 from parity.results_file import validated
 
 DETAILS_PER_FINDING = 20

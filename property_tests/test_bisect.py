@@ -148,3 +148,16 @@ def test_git_bisect_bad_input_exits_2(tmp_path, monkeypatch, capsys):
     assert main(["bisect", "--git", "HEAD~3", "HEAD", "--impl", "x.py:f", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "git rev-parse --show-toplevel failed" in err and "Traceback" not in err
+
+
+def test_bisects_rerun_line_reproduces_the_failure_as_printed(capsys):
+    """The printed `Rerun:` command judges the layer as bisect did: for your own code of another recipe it
+    carries --recipe (without it, a rowwise layer was judged as tensorwise, with false findings)."""
+    import shlex
+    assert main(["bisect", "--impl", "evals/zoo/mutants.py:rowwise_pow2_missing", "--recipe", "rowwise",
+                 "--case", "M32K64N48|normal|seed0", "--device", "cpu"]) == 1
+    rerun = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Rerun: "))
+    argv = shlex.split(rerun.removeprefix("Rerun: "))
+    assert argv[:2] == ["fp8-parity", "check"] and argv[argv.index("--recipe") + 1] == "rowwise"
+    assert main([*argv[1:], "--quiet"]) == 1
+    assert "(rowwise recipe)" in capsys.readouterr().out  # judged as bisect judged it
