@@ -233,11 +233,17 @@ class _Check:
         plan, settings = self.plan, self.settings
         explicit = cases is not None
         shrunk = lambda case: shrink(case, self.violates, alignment=plan.alignment)  # noqa: E731
+        plainest = Case(lead=(plan.alignment,), K=plan.alignment, N=plan.alignment)  # bf16, contiguous, no bias
+        unable = plan.reference.unsupported(plainest, self.device_type)
+        if unable and not explicit:  # before any work: a reference that takes not even this case takes none here
+            return self.finish(Verdict.ERROR, error=f"the reference cannot run here: {unable}")
         for case in (cases if explicit else edge_cases(seed=settings.seed, alignment=plan.alignment)):
             if self.violates(case):
                 return self.conclude(case if explicit else shrunk(case))
         if explicit:
             return self.repeated()
+        if self.skipped and len(self.skipped) == self.cases_run:  # the edge cases cover every dtype and layout:
+            return self.finish(Verdict.PASS)  # none runs, so no generated case will (finish: "no case could run")
         search_settings = hypothesis_settings(
             max_examples=max(1, self.max_examples), database=None, deadline=None, derandomize=settings.derandomize,
             suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],

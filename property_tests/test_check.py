@@ -233,3 +233,13 @@ def test_a_correct_layer_written_with_functional_scaled_mm_passes_on_the_cpu():
     impl = load_impl(str(Path(__file__).parent / "impls" / "scaled_mm_v2_tensorwise.py") + ":matmul")
     result = run_check(CheckPlan.make(impl, device="cpu"), device="cpu", max_examples=40)
     assert result.verdict == "pass", [v.message for v in result.violations]
+
+
+def test_a_reference_that_cannot_run_here_is_said_before_any_work(capsys):
+    """Blockwise against torchao on a CPU (torchao's blockwise layer needs Triton): exit 125 with why, at once;
+    it was an internal error after 49 s (every generated case filtered out)."""
+    from parity.cli import main
+    assert main(["check", "--impl", "fp8_impl:blockwise", "--recipe", "blockwise", "--against", "torchao:blockwise",
+                 "--device", "cpu", "--quiet"]) == 125
+    out = capsys.readouterr().out
+    assert "0 cases" in out and "the reference cannot run here: torchao:blockwise: torchao's blockwise training" in out
