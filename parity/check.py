@@ -32,7 +32,7 @@ from parity.runner import Comparison, isolation, run_case_isolated
 from parity.strategies import cases as case_strategy
 from parity.recipes import GEMMS
 from parity.vocabulary import Kind, Tensor, Verdict
-from parity.worker import Worker
+from parity.worker import Died, Worker
 
 
 @dataclass
@@ -166,6 +166,7 @@ class _Check:
         self.cases_run, self.skipped = 0, {}
         self.outcomes: dict[str, tuple[list[Row], list[Violation], list[str]]] = {}
         self.ran: list[Case] = []
+        self.hung_on: Case | None = None  # the case the candidate ran past its time limit on
 
     def rows_of(self, case: Case) -> list[Row]:
         return run_case_isolated(case, self.plan.comparisons, device=self.device, runner=self.runner,
@@ -193,9 +194,17 @@ class _Check:
                            command(minimal) if (minimal is not None and command) else None, skipped=dict(self.skipped))
 
     def violates(self, case: Case) -> bool:
+        if self.hung_on is not None:  # the verdict is known, and each further case would wait out its own limit:
+            return False  # the search and the shrinker end on the case that hung
         self.ran.append(case)
         _, violations, ref_errors = self.judged(case)
+        if self.hung(case):
+            self.hung_on = case
         return bool(violations or ref_errors)
+
+    def hung(self, case: Case) -> bool:
+        """Whether the candidate ran past its time limit on `case` (a worker killed for it)."""
+        return any(isinstance(v.error, Died) and v.error.timed_out for v in self.outcomes[case.id][1])
 
     def conclude(self, case: Case) -> CheckResult:
         _, violations, ref_errors = self.outcomes.get(case.id) or self.judged(case)
@@ -203,8 +212,11 @@ class _Check:
             return self.finish(Verdict.ERROR, error=f"a reference failed on {case.id}: {'; '.join(ref_errors)}",
                                minimal=case)
         note = None
+        if self.hung(case):
+            note = (f"{case.id} ran past its time limit: the check stopped there, not shrunk and not run again "
+                    f"(each further case would wait out its own limit); --timeout sets the limit")
         # does it need what ran before?
-        if self.settings.rerun_alone and self.runner is not None and self.cases_run > 1:
+        elif self.settings.rerun_alone and self.runner is not None and self.cases_run > 1:
             self.runner.close()
             if not self.plan.judge(self.rows_of(case)):
                 note = (f"{case.id} fails after the cases before it ran in the same process, and passes alone: the "
@@ -255,6 +267,8 @@ class _Check:
             minimal = find(strategy, self.violates, settings=search_settings, random=random.Random(settings.seed))
         except NoSuchExample:
             return self.repeated()
+        if self.hung_on is not None:
+            return self.conclude(self.hung_on)
         return self.conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps
 
 

@@ -53,6 +53,7 @@ class Died:
     impl: str  # the implementation that was running ("" before any)
     phase: str  # where it was: "step 0: forward"
     output: str  # the tail of what it printed
+    timed_out: bool = False  # it ran past its time limit (killed by the parent), rather than ending by itself
 
     @property
     def message(self) -> str:
@@ -416,7 +417,8 @@ class Worker:
                     impl = max(by_impl, key=by_impl.get)
                     phase = max((key for key in spent if key[0] == impl), key=spent.get)[1]
                     self._kill()
-                    return Died(f"ran past its time limit of {time_limit:.0f} s", impl, phase, self._tail())
+                    return Died(f"ran past its time limit of {time_limit:.0f} s", impl, phase, self._tail(),
+                                timed_out=True)
         except BaseException:
             self._kill()
             raise

@@ -243,3 +243,16 @@ def test_a_reference_that_cannot_run_here_is_said_before_any_work(capsys):
                  "--device", "cpu", "--quiet"]) == 125
     out = capsys.readouterr().out
     assert "0 cases" in out and "the reference cannot run here: torchao:blockwise: torchao's blockwise training" in out
+
+
+def test_a_hang_is_waited_on_once():
+    """Once the candidate ran past its time limit the verdict is known: no shrinking, no rerun, no further case
+    (each would wait out its own limit: 20 examples of a spinning backward did not finish in 400 s)."""
+    from parity.check import CheckPlan, run_check
+    from parity.impls import load_impl
+    from parity.worker import Died
+    plan = CheckPlan.make(load_impl("evals/hostile/impls.py:bwd_busy_loop"), device="cpu")
+    result = run_check(plan, device="cpu", max_examples=20, time_limit=2)
+    assert result.verdict == "fail" and result.cases_run == 1
+    assert isinstance(result.violations[0].error, Died) and result.violations[0].error.timed_out
+    assert "ran past its time limit: the check stopped there" in result.note
