@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parity import hopper  # mmaemu itself is imported on the first modelled call
-from parity.contract import custom_op_kernel
+from parity.contract import V2_SCALINGS, custom_op_kernel
 
 aten = torch.ops.aten
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -89,7 +89,7 @@ def _fast_v2(call: dict) -> torch.Tensor | None:
     """An aten._scaled_mm_v2 call with one TensorWise or RowWise scale per operand, as _fast computes the
     _scaled_mm call it stands for; None for the others (block scales, swizzles, a contraction dim)."""
     recipes = (tuple(call.get("recipe_a", ())), tuple(call.get("recipe_b", ())))
-    plain = all(len(r) == 1 and r[0] in (0, 1) for r in recipes)  # ScalingType.TensorWise, RowWise
+    plain = all(len(r) == 1 and V2_SCALINGS.get(r[0]) in ("TensorWise", "RowWise") for r in recipes)
     swizzled = any(any(call.get(name) or ()) for name in ("swizzle_a", "swizzle_b"))
     if not plain or swizzled or call.get("contraction_dim") or len(call["scale_a"]) != 1 or len(call["scale_b"]) != 1:
         return None
@@ -132,7 +132,7 @@ class HopperModelNotApplicable(RuntimeError):
     """A scaled GEMM call that --cpu-gemm hopper cannot compute as the H200 does."""
 
 
-_V2_SCALINGS = {0: "TensorWise", 1: "RowWise", 4: "BlockWise1x128", 5: "BlockWise128x128"}
+MODELLED_SCALINGS = ("TensorWise", "RowWise", "BlockWise1x128", "BlockWise128x128")  # of contract.V2_SCALINGS
 
 
 def _hopper_v1(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
@@ -156,8 +156,9 @@ def _hopper_v2(call: dict) -> torch.Tensor:
     a, b, scale_a, scale_b = call["a"], call["b"], call["scale_a"], call["scale_b"]
     recipe_a, recipe_b = call["recipe_a"], call["recipe_b"]
     bias, out_dtype, fast = call.get("bias"), call.get("out_dtype"), call.get("use_fast_accum", False)
-    kinds = (_V2_SCALINGS.get(recipe_a[0]), _V2_SCALINGS.get(recipe_b[0]))
-    if len(scale_a) != 1 or len(scale_b) != 1 or None in kinds or call.get("contraction_dim"):
+    kinds = (V2_SCALINGS.get(recipe_a[0]), V2_SCALINGS.get(recipe_b[0]))
+    if len(scale_a) != 1 or len(scale_b) != 1 or not set(kinds) <= set(MODELLED_SCALINGS) \
+            or call.get("contraction_dim"):
         raise HopperModelNotApplicable(f"--cpu-gemm hopper: a scaled_mm_v2 call with scalings {recipe_a} x {recipe_b} "
                                        "is not modelled")
     if kinds[0] != "BlockWise1x128":
