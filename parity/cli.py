@@ -135,6 +135,9 @@ def _add_check(commands) -> None:
                        help="seed of the search (default 0)")
     _timeout_arg(check)
     check.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the result as JSON")
+    check.add_argument("--results", type=Path, default=None, metavar="PATH",
+                       help="also write every comparison's row (a results table, .csv.gz, as a sweep's: "
+                            "`fp8-parity diff` compares two, say a CPU run under --cpu-gemm hopper and a GPU run)")
     check.add_argument("--quiet", action="store_true", help="no progress line")
     check.add_argument("--distributed", choices=list(DISTRIBUTED_MODES), default=None,
                        help="instead of searching cases: train a small MLP (parity.distributed.TrainSpec) under "

@@ -6,6 +6,7 @@ and localize one (or, with --git, find the first bad commit).
 
 from __future__ import annotations
 
+import gzip
 import json
 
 from parity import cmd_inputs
@@ -15,7 +16,8 @@ from parity.cmd_distributed import check_distributed
 from parity.exits import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS
 from parity.history import git_bisect
 from parity.impls import load_impl
-from parity.outputs import atomic_write_text
+from parity.outputs import atomic_write_bytes, atomic_write_text
+from parity.rows import frame as rows_frame
 from parity.progress import Progress
 
 EXIT_OF_VERDICT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}
@@ -26,6 +28,7 @@ def cmd_check(args) -> int:
         return check_distributed(args)
     device = cmd_inputs.device(args.device, args.cpu_gemm)
     cmd_inputs.writable_file(args.json, "--json")
+    cmd_inputs.writable_file(args.results, "--results")
     saved = cmd_inputs.case_file(args.case_file, args.case, device)
     cases = [saved] if saved else cmd_inputs.named_cases(args.case, device) if args.case else None
     candidate = load_impl(args.impl, form=args.form, recipe=args.recipe)
@@ -40,6 +43,9 @@ def cmd_check(args) -> int:
     print(render(result), end="")
     if args.json:
         atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
+    if args.results and result.rows:
+        frame = rows_frame(result.rows)
+        atomic_write_bytes(args.results, gzip.compress(frame.to_csv(index=False).encode(), mtime=0))
     return EXIT_OF_VERDICT[result.verdict]
 
 
