@@ -18,6 +18,12 @@ DIFF_ROWS_SHOWN = 40
 DIFF_MIN_MATCHED_SHARE = 0.5
 
 
+# `diff`: the metrics two rows must share, bit for bit, to be "identical". Against an exact reference (fp64,
+# emulated:<recipe>) these are the candidate's own numbers (where its error is largest, how large, how many
+# elements differ): equal on two machines, the two computed the same result; rows of a bitwise-equal pair
+# say only that both pairs were equal.
+IDENTICAL_METRICS = ("bitwise", "n_diff", "sqnr_db", "max_abs_err", "max_abs_index", "nan", "inf")
+
 CHANGES = ["lost bitwise parity", "started raising", "NaN/Inf count changed", "SQNR fell", "SQNR rose",
            "gained bitwise parity", "stopped raising", "only in A", "only in B"]
 
@@ -42,7 +48,7 @@ def diff_results(a: pd.DataFrame, b: pd.DataFrame, *, sqnr_tolerance_db: float =
     power: far below the spread between recipes (several dB) yet above the rounding of a CSV
     written with a few significant digits, so only real changes show.
     """
-    columns = [*KEY, "bitwise", "sqnr_db", "nan", "inf", "raised"]
+    columns = list(dict.fromkeys([*KEY, "raised", *IDENTICAL_METRICS]))
     a_cases, b_cases = (frame.attrs.get("env", {}).get("cases") for frame in (a, b))  # the sweep's case set, in words
     a, b = (frame.assign(raised=frame["error"].fillna("reference: " + frame["reference_error"]))[columns]
             .drop_duplicates(KEY) for frame in (validated(a), validated(b)))
@@ -71,9 +77,19 @@ def diff_results(a: pd.DataFrame, b: pd.DataFrame, *, sqnr_tolerance_db: float =
     diff = pd.concat([f.astype({"a_value": object, "b_value": object}) for f in found], ignore_index=True)
     diff = (diff.assign(change=pd.Categorical(diff["change"], categories=CHANGES))
             .sort_values(["change", *KEY], ignore_index=True))
-    diff.attrs.update(rows_compared=len(both), sqnr_tolerance_db=sqnr_tolerance_db, rows_a=len(a), rows_b=len(b),
+    diff.attrs.update(rows_compared=len(both), rows_identical=_identical(both), sqnr_tolerance_db=sqnr_tolerance_db, rows_a=len(a), rows_b=len(b),
                       cases_a=a_cases, cases_b=b_cases)
     return diff
+
+
+def _identical(both: pd.DataFrame) -> int:
+    """How many rows of both runs have the same metrics to the last bit (IDENTICAL_METRICS, and the same
+    error or none): two runs that computed the same numbers, not merely numbers that moved within noise."""
+    same = pd.Series(True, index=both.index)
+    for column in IDENTICAL_METRICS:
+        a, b = both[f"{column}_a"], both[f"{column}_b"]
+        same &= (a == b) | (a.isna() & b.isna())
+    return int((same & (both["raised_a"].fillna("") == both["raised_b"].fillna(""))).sum())
 
 
 ONE_SIDED = ["only in A", "only in B"]
@@ -96,6 +112,10 @@ def render_diff(diff: pd.DataFrame) -> str:
         lines.append(f"A and B share only {compared} of the smaller run's {smaller} rows: they ran mostly different "
                      f"cases (another preset, seed or --samples); compare runs of the same sweep.")
     lines.append(f"{compared} rows in both, {only_a} only in A, {only_b} only in B; SQNR tolerance {tolerance} dB")
+    identical = diff.attrs.get("rows_identical")
+    if isinstance(compared, int) and compared and identical is not None:
+        lines.append(f"{identical} of the {compared} rows in both ({identical / compared:.1%}) have identical metrics "
+                     f"(bitwise, elements differing, SQNR, worst error and its index, NaN/Inf)")
     moves = diff[~diff["change"].isin(ONE_SIDED)] if len(diff) else diff
     if moves.empty:
         lines.append("No row moved beyond noise.")

@@ -237,11 +237,13 @@ def test_with_the_cpu_computing_hoppers_bits_fast_accumulation_shows_in_the_numb
     from parity.cases import parse_case_id
     from parity.check import CheckPlan, run_check
     from parity.impls import load_impl
-    from parity.vocabulary import Kind
+    from parity.vocabulary import Cause, Kind
     plan = CheckPlan.make(load_impl("evals/zoo/mutants.py:grad_input_fast_accum"), device="cpu")
     result = run_check(plan, device="cpu", cases=[parse_case_id("M64K128N512|normal|seed3")])  # inner N: 512
     exact = [v for v in result.violations if v.kind is Kind.EXACT]
     assert [v.tensor for v in exact] == ["grad_input"], [v.message for v in result.violations]
+    # and the recorded flag is not "ignored by a CPU" here: this CPU's numbers show it
+    assert not any(v.cause is Cause.FLAG_IGNORED_ON_CPU for v in result.violations)
 
 
 def test_without_the_model_the_cpu_is_not_judged_bit_for_bit(monkeypatch):
@@ -309,8 +311,12 @@ def test_a_small_case_computed_on_the_gpu_is_judged_by_the_gpus_table_though_com
 
 
 def test_a_sweeps_verdict_says_how_much_was_judged_bit_for_bit_and_survives_its_results_file(cpu_gemm_hopper,
-                                                                                            tmp_path):
+                                                                                            tmp_path, monkeypatch):
+    from parity import calibration
     from parity.cases import parse_case_id
+    # a table without fp16 outputs (as the H200's was before 2026-12-02): what the verdict says of the rest
+    full = calibration.load_table("NVIDIA H200")
+    monkeypatch.setattr(calibration, "table_for", lambda name: full[full["out"] != "float16"])
     from parity.impls import load_impl
     from parity.report_verdict import verdict
     from parity.runner import run_cases
@@ -321,7 +327,7 @@ def test_a_sweeps_verdict_says_how_much_was_judged_bit_for_bit_and_survives_its_
     frame = run_cases(cases, comparisons, device="cpu")
     said = verdict(frame, candidate="fp8_impl")
     assert said.ok, said.headline
-    # bf16 case: its three GEMMs; fp16 case: not calibrated (fp16 out), left to the bound with the reason
+    # bf16 case: its three GEMMs; fp16 case: not calibrated in this table (fp16 out), left to the bound with the reason
     assert "bitwise equal to hopper:tensorwise, the GPU's own bits, in 3/6 FP8-GEMM comparisons" in said.headline
     assert "-> float16" in said.headline
     path = tmp_path / "results.csv"
@@ -338,3 +344,29 @@ def test_the_hopper_oracle_as_the_reference_where_results_are_not_hoppers_bits_i
                            "hopper:tensorwise", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "judges Hopper's bits, and results on cpu are not" in done.stderr
+
+
+SCALE_RESULT_LAYER = '''
+import torch
+
+def matmul(input_2d, weight):
+    """Asks _scaled_mm for a scale_result, which the Hopper model does not compute."""
+    fp8 = torch.float8_e4m3fn
+    one = torch.ones((), dtype=torch.float32)
+    x, w = input_2d.to(fp8), weight.to(fp8)
+    return torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, scale_result=one, out_dtype=input_2d.dtype)
+'''
+
+
+def test_a_call_the_model_does_not_compute_is_not_judged_not_a_crash_of_the_candidate(cpu_gemm_hopper, tmp_path):
+    """Under --cpu-gemm hopper a call the model refuses (scale_result) leaves the case unjudged, with why:
+    what the GPU would compute there is unknown here, so it is no finding against the implementation."""
+    from parity.cases import parse_case_id
+    from parity.impls import load_impl
+    from parity.runner import all_pairs, run_case
+    path = tmp_path / "scale_result.py"
+    path.write_text(SCALE_RESULT_LAYER)
+    candidate = load_impl(f"{path}:matmul")
+    rows = run_case(parse_case_id("M16K16N16|normal|seed0"), all_pairs([candidate], [load_impl("hopper:tensorwise")]))
+    assert rows and all(row.error is None for row in rows), [row.error for row in rows]
+    assert all("scale_result is not modelled" in row.skipped and "cannot be judged" in row.skipped for row in rows)

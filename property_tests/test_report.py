@@ -161,15 +161,21 @@ def test_diff_finds_planted_moves_and_ignores_noise(results):
     assert found == {key(moved): "SQNR rose", key(flipped): "lost bitwise parity", key(dropped): "only in A",
                      key(raising): "started raising"}
     assert diff.loc[diff["change"] == "SQNR rose", "delta"].item() == pytest.approx(1.0)
-    counts, summary = render_diff(diff).splitlines()[:2]
+    counts, identical, summary = render_diff(diff).splitlines()[:3]
     assert counts.startswith(f"{len(results) - 1} rows in both, 1 only in A, 0 only in B")
+    # the moved and the raising rows differ (the SQNR nudge within noise too: identical means to the last bit)
+    same = len(results) - 1 - 4
+    assert identical.startswith(f"{same} of the {len(results) - 1} rows in both ({same / (len(results) - 1):.1%}) "
+                                f"have identical metrics")
     assert summary.startswith("3 rows moved beyond noise") and "1 lost bitwise parity" in summary
     assert "only in A" not in summary  # a row without a counterpart did not move
 
 
 def test_identical_results_do_not_differ(results):
     diff = diff_results(results, results.copy())
-    assert diff.empty and render_diff(diff).splitlines()[1] == "No row moved beyond noise."
+    lines = render_diff(diff).splitlines()
+    assert diff.empty and lines[2] == "No row moved beyond noise."
+    assert lines[1].startswith(f"{len(results)} of the {len(results)} rows in both (100.0%) have identical metrics")
 
 
 @pytest.mark.parametrize("call", [summary_tables, verdict, lambda f: write_report(f, "/nonexistent/never"),
@@ -456,7 +462,7 @@ def test_diff_lists_a_bounded_number_of_moves_largest_first(results, monkeypatch
     text = render_diff(diff_results(results, b))
     lines = text.splitlines()
     assert lines[0] == f"{len(results) - 3} rows in both, 3 only in A, 0 only in B; SQNR tolerance 0.1 dB"
-    assert lines[1] == "3 rows moved beyond noise: 3 SQNR fell"  # a row only in A is no move
+    assert lines[2] == "3 rows moved beyond noise: 3 SQNR fell"  # a row only in A is no move
     shown = _table_lines(text)
     assert len(shown) == 1 and shown[0].split()[-1] == "-4.00"  # the largest move first
     assert text.rstrip().endswith("... and 2 more moves (--csv FILE writes every one)")
