@@ -33,7 +33,6 @@ from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_
                           BUILTIN_NAMES, CPU_GEMM_MODES, DEFAULT_BASELINE, DISTRIBUTED_MODES, FACTORY_PROTOCOL,
                           FORMS, FP8_RECIPES, LEARNING_RATE, POLICIES, SWEEP_DEFAULT_IMPLS,
                           SWEEP_PRESET_DESCRIPTIONS)
-from parity.worker import warm_up  # standard library only
 
 # the exit codes, importable from here as from parity.exits (scripts and tests read them here)
 __all__ = ["EXIT_CANNOT_RUN", "EXIT_FAIL", "EXIT_INCOMPLETE", "EXIT_INTERNAL", "EXIT_PASS", "EXIT_SIGNAL",
@@ -359,6 +358,7 @@ def _warm_up_workers(args) -> None:
     if in_worker and any(name and name not in BUILTIN_NAMES for name in named):
         import torch  # here, not at the top: the parser answers --help and bad flags without it
         on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        from parity.worker import warm_up  # (multiprocessing: not for a --help)
         # code under test runs in workers: their imports run beside this process's
         warm_up("cuda" if on_gpu else "cpu", RUNS_YOUR_CODE[args.command])
 

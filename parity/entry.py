@@ -18,7 +18,6 @@ import sys
 
 from parity.commands import RUNS_YOUR_CODE
 from parity.names import BUILTIN_PACKAGES  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
-from parity.worker import warm_up  # standard library only: no torch yet
 
 
 def names_your_code(value: str) -> bool:
@@ -60,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     device = worker_device(argv)
     if device is not None:
+        # standard library only, yet multiprocessing's 30 ms are a third of a --help's wall time: here
+        from parity.worker import warm_up
         warm_up(device, RUNS_YOUR_CODE[argv[0]])
     # Deliberately late, after the worker's start: parity.cli's parser itself is torch-free now (a
     # --help or a bad flag is answered in a fraction of a second), but a command's body imports torch
