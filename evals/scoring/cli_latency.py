@@ -14,6 +14,10 @@ expected (0 for a --help, 2 for a usage error), and whether the median is under 
 an idle 2-core CPU machine answers in about 0.1 s when nothing heavy is imported). Exit 1 when a
 median is over the bar or a command exits with another code than expected; --json PATH also
 writes every run's seconds.
+
+Each round also times a bare interpreter (`python -c pass`, not judged): the floor under every
+figure, which the machine's load moves as much as it moves them (on 2 cores with four busy
+processes beside it, a bare interpreter alone takes several tenths of a second).
 """
 
 from __future__ import annotations
@@ -44,27 +48,30 @@ def commands() -> list[tuple[list[str], int]]:
     return helps + usage_errors
 
 
-def run_once(arguments: list[str]) -> tuple[float, int, str]:
-    """One fresh `python -m parity ARGUMENTS`: (wall seconds, exit code, the last line of stderr)."""
+def run_once(arguments: list[str], *, module: tuple[str, ...] = ("-m", "parity")) -> tuple[float, int, str]:
+    """One fresh `python -m parity ARGUMENTS` (`module` replaces `-m parity`): (wall seconds, exit code, the last
+    line of stderr)."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "parity", *arguments], cwd=ROOT, stdout=subprocess.DEVNULL,
+    done = subprocess.run([sys.executable, *module, *arguments], cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
     return seconds, done.returncode, (done.stderr.strip().splitlines() or [""])[-1]
 
 
-def measure(repeat: int) -> list[dict]:
-    """Every command `repeat` times, interleaved; one row per command."""
+def measure(repeat: int) -> tuple[list[dict], list[float]]:
+    """Every command `repeat` times, interleaved: one row per command, and a bare interpreter's seconds."""
     listed = commands()
     rows = [{"command": " ".join(["fp8-parity", *arguments]), "expected_exit": expected, "seconds": [], "exits": []}
             for arguments, expected in listed]
+    bare = []
     for _ in range(repeat):
+        bare.append(round(run_once([], module=("-c", "pass"))[0], 4))
         for (arguments, _expected), row in zip(listed, rows):
             seconds, code, last_line = run_once(arguments)
             row["seconds"].append(round(seconds, 4))
             row["exits"].append(code)
             row["last_stderr_line"] = last_line
-    return rows
+    return rows, bare
 
 
 def judge(rows: list[dict], bar: float) -> bool:
@@ -96,18 +103,21 @@ def main() -> None:
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     load_before = os.getloadavg()
-    rows = measure(args.repeat)
+    rows, bare = measure(args.repeat)
     passed = judge(rows, args.bar)
     print_table(rows, args.bar, args.repeat)
     load_after = os.getloadavg()
     # the machine's load says how far the figures carry: on a shared 2-core machine it moves them
     print(f"\nload average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; after "
           f"{', '.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} cores")
+    print(f"a bare interpreter (python -c pass, not judged): median {statistics.median(bare):.2f} s, max "
+          f"{max(bare):.2f} s")
     print(f"{sum(row['under_bar'] for row in rows)}/{len(rows)} medians under {args.bar:g} s; "
           f"{sum(row['exit_as_expected'] for row in rows)}/{len(rows)} exit codes as expected")
     if args.json:
         args.json.write_text(json.dumps({"bar_s": args.bar, "repeat": args.repeat, "load_before": load_before,
-                                         "load_after": load_after, "passed": passed, "rows": rows}, indent=1) + "\n")
+                                         "load_after": load_after, "passed": passed, "bare_interpreter_s": bare,
+                                         "rows": rows}, indent=1) + "\n")
     sys.exit(0 if passed else 1)
 
 
