@@ -89,10 +89,11 @@ from fp8_impl.matmul import E4M3
 from parity import report
 from parity.env import environment
 from parity.impls import Impl
+from parity.names import BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS
 from parity.recipes import DEFAULT_RECIPE, Recipe
 from parity.sweep import llama3_shapes, nanochat_shapes
 
-DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "bf16")
+DEFAULT_IMPLS = BENCH_DEFAULT_IMPLS  # in parity.names, with the presets' descriptions: the parser lists them
 TIME_COLUMNS = {"median_ms": "", "gpu_ms": "gpu_"}  # time column -> prefix of its ratio columns
 COLUMNS = ["preset", "shape", "M", "K", "N", "impl", "recipe", "compiled", "median_ms", "p20_ms", "p80_ms", "gpu_ms",
            "host_ms", "bound", "tflops", "peak_mem_gb", "compile_s", "vs_torchao", "vs_bf16", "gpu_vs_torchao",
@@ -129,12 +130,13 @@ def _with_tokens(M: int, named: Sequence[tuple[str, int, int]]) -> tuple[tuple[s
 
 _SMALL = dict.fromkeys([(4096, 768, 3072), (4096, 768, 768), (8192, 1024, 4096),  # + shapes measured before (README)
                         (32768, 1664, 6656), (32768, 1664, 1664), (16384, 8192, 8192), (4096, 768, 3072)])
+_DESCRIPTIONS = BENCH_PRESET_DESCRIPTIONS  # (in parity.names: the parser lists them without importing torch)
 PRESETS = {
-    "nanochat": BenchPreset("nanochat", "nanochat d20/d26/d32 layers, 32768 tokens",
+    "nanochat": BenchPreset("nanochat", _DESCRIPTIONS["nanochat"],
                             _with_tokens(32768, [*nanochat_shapes(20), *nanochat_shapes(26), *nanochat_shapes(32)])),
-    "llama": BenchPreset("llama", "Llama 3 8B and 70B layers, 8192 tokens",
+    "llama": BenchPreset("llama", _DESCRIPTIONS["llama"],
                          _with_tokens(8192, [*llama3_shapes("8b"), *llama3_shapes("70b")])),
-    "small": BenchPreset("small", "GPT-2 small/medium layers and nanochat-sized shapes",
+    "small": BenchPreset("small", _DESCRIPTIONS["small"],
                          tuple((f"{M}x{K}x{N}", M, K, N) for M, K, N in _SMALL), warmup=10, iters=50),
 }
 

@@ -19,23 +19,20 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
-
-from parity.bench import DEFAULT_IMPLS as BENCH_IMPLS, PRESETS as BENCH_PRESETS
-from parity.cases import CaseError
+# Standard library and torch-free modules only: `fp8-parity --help` and a mistyped flag are answered
+# by the parser before anything heavy loads (with torch, torchao and pandas imported here they took
+# 3.4-11 s; issue 28, item 7). The names the parser offers come from parity.names and
+# parity.model_configs; a command's body imports the harness when it runs (parity.commands), and
+# main imports the exceptions it maps to exit codes once the arguments have parsed.
+# property_tests/test_cli_latency.py keeps it so.
 from parity.commands import RUNS_YOUR_CODE, command
-from parity.distributed import MODES as DISTRIBUTED_MODES
 from parity.exits import (EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERNAL, EXIT_PASS, EXIT_SIGNAL,
                           EXIT_USAGE, CannotRun, Terminated, UsageError, interrupted_by)
-from parity.history import HistoryError
-from parity.impls import BUILTIN_HELP, BUILTINS, Form, ImplError
-from parity.model import FACTORY_PROTOCOL, MODELS
-from parity.outputs import OutputError
-from parity.policy import Policy
-from parity.recipes import FP8_RECIPES, RecipeError
-from parity.sweep import DEFAULT_IMPLS as SWEEP_IMPLS, PRESETS as SWEEP_PRESETS
-from parity.train_plan import DEFAULT_BASELINE, LEARNING_RATE
-from parity.worker import warm_up
+from parity.model_configs import MODELS
+from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_PRESET_SHAPES, BUILTIN_HELP,
+                          BUILTIN_NAMES, CPU_GEMM_MODES, DEFAULT_BASELINE, DISTRIBUTED_MODES, FACTORY_PROTOCOL,
+                          FORMS, FP8_RECIPES, LEARNING_RATE, POLICIES, SWEEP_DEFAULT_IMPLS,
+                          SWEEP_PRESET_DESCRIPTIONS)
 
 # the exit codes, importable from here as from parity.exits (scripts and tests read them here)
 __all__ = ["EXIT_CANNOT_RUN", "EXIT_FAIL", "EXIT_INCOMPLETE", "EXIT_INTERNAL", "EXIT_PASS", "EXIT_SIGNAL",
@@ -92,7 +89,7 @@ def _impl_arg(parser: argparse.ArgumentParser, *, default: str | None, help_pref
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: cuda if a GPU is present, else cpu)")
-    parser.add_argument("--form", choices=[f.value for f in Form], default=None,
+    parser.add_argument("--form", choices=list(FORMS), default=None,
                         help="override the detected form of --impl")
     parser.add_argument("--recipe", default=None, choices=None, metavar="RECIPE",
                         help=f"the recipe --impl implements ({', '.join(FP8_RECIPES)}; default tensorwise for your "
@@ -102,7 +99,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _cpu_gemm_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cpu-gemm", choices=["fast", "hopper", "torch"], default=None,
+    parser.add_argument("--cpu-gemm", choices=list(CPU_GEMM_MODES), default=None,
                         help="how a CPU computes every FP8 GEMM call, of your code and of the references alike: fast "
                              "(default: an fp32 matmul), hopper (as an H200 does, bit for bit: parity.hopper's model; "
                              "fast-accumulation and accumulation-order bugs show in the numbers; slower) or torch "
@@ -128,7 +125,7 @@ def _add_check(commands) -> None:
     check.add_argument("--case-file", type=Path, default=None, metavar="PATH",
                        help="run exactly the tensors of this case file (`fp8-parity train` writes one where two runs "
                             "diverge) instead of searching")
-    check.add_argument("--policy", choices=[p.value for p in Policy], default=None,
+    check.add_argument("--policy", choices=list(POLICIES), default=None,
                        help="override the parity policy (default: chosen from the recipes)")
     check.add_argument("--no-oracle", action="store_true", help="do not also run the exact emulation")
     check.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0,
@@ -154,13 +151,13 @@ def _add_sweep(commands) -> None:
                                             "named layer shapes plus a hypothesis sample; write a report. Exit 1 "
                                             "when the candidate (first --impl) loses parity anywhere.")
     sweep.add_argument("--impl", action="append", default=None, metavar="IMPL",
-                       help=f"implementations (repeatable; default: {', '.join(SWEEP_IMPLS)}); the first is the "
-                            f"candidate whose parity decides the exit code")
+                       help=f"implementations (repeatable; default: {', '.join(SWEEP_DEFAULT_IMPLS)}); the first is "
+                            f"the candidate whose parity decides the exit code")
     sweep.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="default: cuda if a GPU is present, else cpu")
     _cpu_gemm_arg(sweep)
-    sweep.add_argument("--preset", choices=list(SWEEP_PRESETS), default="quick",
-                       help="; ".join(f"{p.name}: {p.description}" for p in SWEEP_PRESETS.values()))
+    sweep.add_argument("--preset", choices=list(SWEEP_PRESET_DESCRIPTIONS), default="quick",
+                       help="; ".join(f"{name}: {about}" for name, about in SWEEP_PRESET_DESCRIPTIONS.items()))
     sweep.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")
     sweep.add_argument("--samples", type=_count(0, 100_000, "--samples 20"), default=None,
                        help="override the preset's number of sampled cases")
@@ -206,11 +203,12 @@ def _add_bench(commands) -> None:
                                             "tensorwise and bf16 and the fraction of a limit measured in the same "
                                             "run. Exit 1 when a configuration failed, 125 without an FP8 GPU.")
     bench.add_argument("--impl", action="append", default=None, metavar="IMPL",
-                       help=f"implementations (repeatable; default: {', '.join(BENCH_IMPLS)}); the first is the "
-                            f"candidate of the headline")
-    bench.add_argument("--preset", action="append", choices=list(BENCH_PRESETS), default=None,
+                       help=f"implementations (repeatable; default: {', '.join(BENCH_DEFAULT_IMPLS)}); the first is "
+                            f"the candidate of the headline")
+    bench.add_argument("--preset", action="append", choices=list(BENCH_PRESET_DESCRIPTIONS), default=None,
                        help="repeatable (default: small); " + "; ".join(
-                           f"{p.name}: {p.description}, {len(p.shapes)} shapes" for p in BENCH_PRESETS.values()))
+                           f"{name}: {about}, {BENCH_PRESET_SHAPES[name]} shapes"
+                           for name, about in BENCH_PRESET_DESCRIPTIONS.items()))
     bench.add_argument("--compile", choices=["both", "on", "off"], default="both",
                        help="time eager, torch.compile'd or both (default both; compiling dominates the run time)")
     bench.add_argument("--device", choices=["cuda"], default="cuda", help="the GPU (there is no CPU benchmark)")
@@ -357,10 +355,24 @@ def _warm_up_workers(args) -> None:
     named = [*(args.impl if isinstance(getattr(args, "impl", None), list) else [getattr(args, "impl", None)]),
              getattr(args, "against", None)]
     in_worker = args.command in RUNS_YOUR_CODE and getattr(args, "distributed", None) is None
-    if in_worker and any(name and name not in BUILTINS for name in named):
+    if in_worker and any(name and name not in BUILTIN_NAMES for name in named):
+        import torch  # here, not at the top: the parser answers --help and bad flags without it
         on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        from parity.worker import warm_up  # (multiprocessing: not for a --help)
         # code under test runs in workers: their imports run beside this process's
         warm_up("cuda" if on_gpu else "cpu", RUNS_YOUR_CODE[args.command])
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are bad input from the user (one line, exit 2), imported only once the
+    arguments have parsed: most come from modules that import torch, which every command's body
+    imports anyway and which a --help or a bad flag must not wait for."""
+    from parity.cases import CaseError
+    from parity.history import HistoryError
+    from parity.impls import ImplError
+    from parity.outputs import OutputError
+    from parity.recipes import RecipeError
+    return ImplError, CaseError, UsageError, HistoryError, RecipeError, OutputError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     name = f"fp8-parity {args.command}"
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     _warm_up_workers(args)
+    # Bound before the try: a Ctrl-C or a failing import while _user_errors loads torch still ends in
+    # one line (interrupted; an internal error), as inside a command.
+    user_errors: tuple[type[Exception], ...] = (UsageError,)
     try:
+        user_errors = _user_errors()
         return command(args.command)(args)
-    except (ImplError, CaseError, UsageError, HistoryError, RecipeError, OutputError) as err:
+    except user_errors as err:
         print(f"{name}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except CannotRun as err:

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from parity import hopper  # mmaemu itself is imported on the first modelled call
 from parity.contract import V2_SCALINGS, custom_op_kernel
+from parity.names import CPU_GEMM_MODES
 
 aten = torch.ops.aten
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -37,7 +38,7 @@ _V2_NAMES = ("a", "b", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b"
              "contraction_dim", "use_fast_accum")
 
 
-MODES = ("fast", "hopper", "torch")
+MODES = CPU_GEMM_MODES  # fast, hopper, torch (in parity.names: the parser lists them)
 ENV = "FP8_PARITY_CPU_SCALED_MM"
 
 

@@ -51,10 +51,11 @@ from torch.distributed.tensor import DTensor
 
 from parity.impls import Impl, convert_linears, linear_names, load_impl, reload_impl
 from parity.metrics import sqnr_db
+from parity.names import DISTRIBUTED_MODES
 from parity.sharding import share_host_threads
 
 
-MODES = ("ddp", "fsdp2")
+MODES = DISTRIBUTED_MODES  # ddp, fsdp2 (in parity.names: the parser lists them)
 BACKENDS = ("gloo", "nccl")
 
 

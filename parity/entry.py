@@ -4,9 +4,9 @@ then hand over to parity.cli.
 A command that runs your code (check, bisect or sweep of an implementation that is not a
 built-in) runs it in a worker process (parity.worker). A worker's start costs an interpreter,
 torch, torchao, the harness and, on a GPU, a CUDA context: several seconds, most of a quick
-bisect's wall time. Started here, before this process imports torch and builds its parser (about
-3 s on a 2-core laptop, all of it before parity.cli could start anything), the worker gets ready
-while they run. The decision reads the raw arguments without importing torch: a wrong guess
+bisect's wall time. Started here, before this process parses the arguments and imports torch and
+the harness for the command's body (about 3 s on a 2-core laptop), the worker gets ready while they
+run. The decision reads the raw arguments without importing torch: a wrong guess
 costs a spare process, never a result (parity.cli.main starts what the parsed arguments need
 anyway, and the check of the device and of the names happens there).
 """
@@ -17,10 +17,7 @@ import os
 import sys
 
 from parity.commands import RUNS_YOUR_CODE
-from parity.worker import warm_up  # standard library only: no torch yet
-
-# built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
-BUILTIN_PACKAGES = ("fp8_impl", "torchao", "emulated", "hopper")
+from parity.names import BUILTIN_PACKAGES  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
 
 
 def names_your_code(value: str) -> bool:
@@ -62,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     device = worker_device(argv)
     if device is not None:
+        # standard library only, yet multiprocessing's 30 ms are a third of a --help's wall time: here
+        from parity.worker import warm_up
         warm_up(device, RUNS_YOUR_CODE[argv[0]])
-    # Deliberately late: importing parity.cli and building its parser (torch and the harness) took
-    # 3.6 s on a 2-core machine at load 1.5 (10-12 s at load 5), time the worker started above spends
-    # getting ready beside it; imported at the top of this module, it would all come first.
+    # Deliberately late, after the worker's start: parity.cli's parser itself is torch-free now (a
+    # --help or a bad flag is answered in a fraction of a second), but a command's body imports torch
+    # and the harness (3.6 s on a 2-core machine at load 1.5, 10-12 s at load 5), time the worker
+    # started above spends getting ready beside it.
     from parity.cli import main as cli_main
     return cli_main(argv)

@@ -34,6 +34,7 @@ from torch import nn
 from parity import cpu_gemm, hopper
 from parity.cases import Layout
 from parity.hopper_oracle import hopper_matmul
+from parity.names import FSDP_FLOAT8_ALL_GATHER
 from parity.oracles import emulated_matmul
 from parity.sandbox import ProcessExit, exits_raise
 from parity.recipes import DEFAULT_RECIPE, FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
@@ -319,13 +320,6 @@ def _needs_mmaemu(case, device_type: str) -> str | None:
     return None if hopper.available() else "the Hopper model needs mmaemu (pip install mmaemu==0.1.0)"
 
 
-# torchao's tensorwise recipe with its weights all-gathered in FP8 under FSDP2
-# (Float8LinearConfig(enable_fsdp_float8_all_gather=True): the weight is cast to FP8 before the
-# gather, its amax all-reduced first). Only a sharded run (`check --distributed fsdp2`) takes that
-# path; on one process it computes what torchao:tensorwise does.
-FSDP_FLOAT8_ALL_GATHER = "torchao:tensorwise+fsdp_float8_all_gather"
-
-
 def _torchao_fsdp_float8_all_gather() -> Impl:
     impl = _torchao_float8(DEFAULT_RECIPE)()  # tensorwise
     config = dataclasses.replace(impl.convert_kwargs["config"], enable_fsdp_float8_all_gather=True)
@@ -349,16 +343,7 @@ BUILTINS: dict[str, Callable[[], Impl]] = {
     **{name: _reference(recipe) for name, recipe in RECIPES.items() if not recipe.is_fp8},
 }
 del BUILTINS["fp8_impl:tensorwise"]  # it is "fp8_impl"
-BUILTIN_HELP = {
-    "fp8_impl": "this project's minimal Float8Linear (tensorwise; fp8_impl:RECIPE for the others)",
-    **{f"torchao:{name}": f"torchao, {name} recipe" for name in FP8_RECIPES},
-    FSDP_FLOAT8_ALL_GATHER: "torchao, tensorwise, its weights all-gathered in FP8 under FSDP2",
-    "emulated": "exact float64 emulation of a recipe's FP8 math (emulated:RECIPE; default tensorwise)",
-    **{f"hopper:{name}": f"the {name} recipe as an H200 computes it, bit for bit (parity.hopper's model)"
-       for name in FP8_RECIPES},
-    "bf16": "nn.Linear in bfloat16",
-    "fp64": "nn.Linear in float64",
-}
+# (parity.names.BUILTIN_NAMES lists these keys for the parser, which must not import this module)
 
 
 def builtin_for_recipe(family: str, recipe: Recipe) -> str | None:

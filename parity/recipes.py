@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parity.names import FP8_RECIPES  # noqa: F401 - re-exported (see below RECIPES)
+
 GEMMS = ("output", "grad_input", "grad_weight")
 # (A, B) of each GEMM, and the dimension it sums over
 OPERANDS = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight"),
@@ -266,7 +268,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("fp64", "nn.Linear in float64", _gemms((_HP, _HP, False), (_HP, _HP), (_HP, _HP)),
            high_precision=torch.float64),
 )}
-FP8_RECIPES = tuple(name for name, recipe in RECIPES.items() if recipe.is_fp8)
+# FP8_RECIPES, the names of those whose is_fp8 holds, comes from parity.names: the parser lists them without
+# importing torch (property_tests/test_names.py checks the two agree)
 DEFAULT_RECIPE = RECIPES["tensorwise"]  # what code claims when it says nothing: torchao's default, fp8_impl's
 
 

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from parity.cases import Case, Dist, Layout, edge_cases
 from parity.env import environment
 from parity.impls import Impl, builtin_for_recipe, default_reference, hopper_reference, load_impl
+from parity.names import SWEEP_DEFAULT_IMPLS, SWEEP_PRESET_DESCRIPTIONS
 from parity.policy import Policy, default_policy
 from parity.rows import frame as rows_frame
 from parity.rows import rows_from_frame
@@ -30,7 +31,7 @@ from parity.runner import Comparison, isolation, run_case_isolated
 from parity.sharding import merge_frames, shard, share_host_threads
 from parity.strategies import cases as case_strategy
 
-DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp", "bf16")
+DEFAULT_IMPLS = SWEEP_DEFAULT_IMPLS  # in parity.names, with the presets' descriptions: the parser lists them
 
 
 def sweep_comparisons(impls: Sequence[Impl], device_type: str, *, accuracy_only: bool = False) -> list[Comparison]:
@@ -129,21 +130,20 @@ class Preset:
 
 _VARIANTS = ({}, {"input_layout": Layout.TRANSPOSED}, {"input_dtype": "fp32", "weight_dtype": "fp32", "bias": True},
              {"dist": Dist.OUTLIER})
+_DESCRIPTIONS = SWEEP_PRESET_DESCRIPTIONS  # (in parity.names: the parser lists them without importing torch)
 PRESETS = {
-    "quick": Preset("quick", "small layers of nanochat-d20 and Llama-3-8B shapes, and 120 sampled cases "
-                    "(on a CPU: 60 sampled cases up to 128, no named shapes)",
+    "quick": Preset("quick", _DESCRIPTIONS["quick"],
                     (*nanochat_shapes(20), *llama3_shapes("8b")[:2]), {"cpu": 64, "cuda": 1024}, 120, 256,
                     cpu=CpuLimits(named=False, samples=60, max_dim=128)),
-    "full": Preset("full", "nanochat d20/d26/d32 and Llama 3 8B/70B layers in four variants, 1000 sampled cases",
+    "full": Preset("full", _DESCRIPTIONS["full"],
                    (*nanochat_shapes(20), *nanochat_shapes(26), *nanochat_shapes(32), *llama3_shapes("8b"),
                     *llama3_shapes("70b")), {"cpu": 64, "cuda": 2048}, 1000, 1024, _VARIANTS),
-    "nanochat": Preset("nanochat", "nanochat d20/d26/d32 layers in four variants", (
+    "nanochat": Preset("nanochat", _DESCRIPTIONS["nanochat"], (
         *nanochat_shapes(20), *nanochat_shapes(26), *nanochat_shapes(32)), {"cpu": 128, "cuda": 8192}, 60, 512,
         _VARIANTS),
-    "llama": Preset("llama", "Llama 3 8B and 70B layers in four variants",
+    "llama": Preset("llama", _DESCRIPTIONS["llama"],
                     (*llama3_shapes("8b"), *llama3_shapes("70b")), {"cpu": 32, "cuda": 4096}, 60, 512, _VARIANTS),
-    "outliers": Preset("outliers", "nanochat d20 and Llama 3 8B/70B layers on normal data, an outlier channel "
-                       "and an outlier token: which recipe keeps its accuracy (use with --accuracy-only)",
+    "outliers": Preset("outliers", _DESCRIPTIONS["outliers"],
                        (*nanochat_shapes(20), *llama3_shapes("8b"), *llama3_shapes("70b")),
                        {"cpu": 128, "cuda": 4096}, 0, 256,
                        ({}, {"dist": Dist.OUTLIER}, {"dist": Dist.OUTLIER_ROW})),

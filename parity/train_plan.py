@@ -11,17 +11,14 @@ import pandas as pd
 
 from parity.model import (GPTConfig, MarkovSource, ModelError, TokenFile, get_model_config, is_model_factory,
                           load_model_factory)
+from parity.names import DEFAULT_BASELINE, LEARNING_RATE  # (there: the parser shows them without torch)
 from parity.report import Verdict
 
 # DeepSeek-V3 (arXiv 2412.19437, section 3.3): FP8 training's relative loss error against BF16
 # "consistently remains below 0.25%". A reference line, drawn in the report and used as the floor
 # of the allowed gap: below it a gap passes even when the seed-to-seed noise happens to be smaller.
 DEEPSEEK_RELATIVE_LOSS_GAP = 0.0025
-# The learning rate of your own model (--model file.py:factory) unless --lr says otherwise; the
-# built-in models carry theirs (GPTConfig.learning_rate: 1e-2 for tiny, 3e-3 for d12).
-LEARNING_RATE = 1e-2
 ROLES = ("candidate", "against", "baseline", "baseline_seed")
-DEFAULT_BASELINE = "bf16"
 
 
 

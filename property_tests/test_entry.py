@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parity import cli, commands, entry, exits
+from parity import cli, commands, entry, exits, model_configs, names
 
 PARITY = Path(entry.__file__).parent
 
@@ -35,14 +35,15 @@ def _parity_imports(module) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("module", [commands, exits])
+@pytest.mark.parametrize("module", [commands, exits, names, model_configs])
 def test_the_modules_entry_and_cli_share_import_no_harness(module):
-    # no circle through them: parity.entry and parity.cli both read them
+    # no circle through them: parity.entry and parity.cli both read them (and the parser reads the names
+    # and the models without torch: they import nothing of the harness that could bring it)
     assert _parity_imports(module) == set()
 
 
 def test_the_entry_point_imports_cli_only_in_main():
-    assert _parity_imports(entry) == {"parity.commands", "parity.worker", "parity.cli"}
+    assert _parity_imports(entry) == {"parity.commands", "parity.names", "parity.worker", "parity.cli"}
     assert "parity.cli" not in {node.module for node in ast.parse(inspect.getsource(entry)).body
                                 if isinstance(node, ast.ImportFrom)}
 
