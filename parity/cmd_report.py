@@ -28,10 +28,11 @@ def cmd_report(args) -> int:
     if partial:
         info_path = home / PARTIAL_INFO
         info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-        headline = (f"INCOMPLETE: an interrupted sweep's table ({info.get('done', '?')} of {info.get('planned', '?')} "
-                    f"cases; `fp8-parity sweep --out {home} --resume` finishes it). Among the cases that ran: "
-                    f"{headline}")
-        judged = dataclasses.replace(judged, headline=headline)
+        incomplete = (f"INCOMPLETE: an interrupted sweep's table ({info.get('done', '?')} of "
+                      f"{info.get('planned', '?')} cases; `fp8-parity sweep --out {home} --resume` finishes it). "
+                      f"Among the cases that ran: ")
+        headline = incomplete + headline
+        judged = dataclasses.replace(judged, headline=headline, brief=incomplete + judged.short)
     with OutputLock(out):  # the table read is never rewritten: a report beside it re-renders only the rest
         write_report(frame, out, candidate=args.candidate, verdict=judged,
                      write_table=out.resolve() != home.resolve())

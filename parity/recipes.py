@@ -145,7 +145,14 @@ class Gemm:
 # the 50.8 dB measured for bf16 nn.Linear against fp64.
 OPERAND_NOISE = {"e4m3": 10 ** (-31.5 / 10), "e5m2": 10 ** (-25.6 / 10), None: 0.0}
 OUTPUT_ROUNDING_NOISE = 10 ** (-50.8 / 10)
-GRAD_BIAS_SQNR_DB = 40.0  # grad_bias is a high-precision sum of grad_output in every recipe
+# grad_bias is a high-precision sum of grad_output in every recipe: no FP8 cast touches it, so the
+# noise model above has nothing to predict, and its expected SQNR is a fixed, conservative value
+# instead (the sum is rounded to the output dtype only: medians of 53 to 57 dB in the CPU quick
+# sweep); its floor lies SQNR_MARGIN_DB below it, as every tensor's does (parity.policy.sqnr_floor)
+GRAD_BIAS_SQNR_DB = 40.0
+GRAD_BIAS_WHY = ("grad_bias is a high-precision sum of grad_output in every recipe (no FP8 cast), so the "
+                 "quantization-noise model does not apply: its expected SQNR is a fixed, conservative "
+                 "value (parity.recipes.GRAD_BIAS_SQNR_DB) that a correct sum clears by far")
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 The one writer of every report format. It reads the tidy table of parity.runner.run_cases
 (one row per case x implementation `impl` x `reference` x tensor x step) and gives:
 
-    summary_tables(frame)    SQNR against fp64 (beside the recipe's expected SQNR and the policy's
-                             floor) and bitwise parity against the parity reference, per
-                             implementation x tensor; the crashes; where the worst values are (case,
-                             data, why, rerun command); then by K, distribution, layout, dtype
+    summary_tables(frame)    over the rows the verdict judges: SQNR against fp64 (beside the
+                             recipe's expected SQNR and the policy's floor) and bitwise parity
+                             against the parity reference, per implementation x tensor; the
+                             crashes; where the worst judged values are (case, data, why, rerun
+                             command); the expected outliers apart, with their reasons; then by K,
+                             distribution, layout, dtype
     verdict(frame)           PASS/FAIL of one candidate in one sentence, with the evidence
     write_report(frame, d)   results.csv.gz, summary.md, index.html, env.json and PNG plots in d
     read_results(path)       a results file or report directory -> the same table, or a
@@ -19,16 +21,21 @@ measured on some case, and SQNR = inf (the candidate equals the fp64 result bitw
 all-zero data) is a legitimate value that sorts last, never a NaN from interpolating inf - inf.
 A row whose implementation raised has no metrics: it counts as a crash, not in the accuracy.
 
-This module writes the files; the parts live in parity.report_tables (the tables and their text),
-parity.report_verdict (the verdict), parity.report_plots (the plots), parity.results_file (the
-results file's schema and reading it) and parity.report_diff (diff); the names above are
-importable from here.
+A report opens with its summary (parity.report_summary), made to be read in thirty seconds: the
+verdict, one figure panel per implementation, the candidate's worst judged values with their
+cases and rerun commands, and what to run next; the tables follow.
+
+This module writes the files; the parts live in parity.report_rows (which rows each part reads:
+judged, expected outliers, crashes), parity.report_tables (the tables and their text),
+parity.report_worst (the worst judged values), parity.report_verdict (the verdict),
+parity.report_summary (the first screen), parity.report_plots (the plots), parity.report_pages (the
+Markdown and HTML pages), parity.results_file (the results file's schema and reading it) and
+parity.report_diff (diff); the names above are importable from here.
 """
 
 from __future__ import annotations
 
 import gzip
-import html
 import io
 import json
 from dataclasses import dataclass
@@ -41,8 +48,11 @@ from matplotlib.figure import Figure
 
 from parity.outputs import atomic_write_bytes, atomic_write_text
 from parity.report_diff import CHANGES, diff_results, render_diff
-from parity.report_plots import standard_plots
-from parity.report_tables import ACCURACY_REFERENCE, TABLE_HEADINGS, displayed, summary_tables
+from parity.report_pages import Section, html_page, markdown_page
+from parity.report_plots import SUMMARY_PLOT, standard_plots
+from parity.report_summary import summarize
+from parity.policy import ACCURACY_REFERENCE
+from parity.report_tables import TABLE_HEADINGS, section_note, summary_tables
 from parity.report_verdict import Verdict, verdict
 from parity.results_file import (ADDED_LATER, ENV_FILE, KEY, REQUIRED_COLUMNS, RESULTS_FILE, ResultsError,
                                  read_results, validated)
@@ -51,21 +61,10 @@ __all__ = ["ACCURACY_REFERENCE", "ADDED_LATER", "CHANGES", "ENV_FILE", "KEY", "R
            "ResultsError", "Verdict", "diff_results", "read_results", "render_diff", "summary_tables", "verdict",
            "write_report"]
 
-CSS = """body{font-family:system-ui,sans-serif;max-width:80rem;margin:2rem auto;padding:0 1rem;color:#222}
-.headline{font-size:1.15rem;font-weight:600;padding:.6rem .8rem;border-radius:4px}
-.pass{background:#e6f4ea;border-left:6px solid #1e8e3e}.fail{background:#fce8e6;border-left:6px solid #d93025}
-.env{color:#555;font-family:monospace}table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0 1.5rem}
-th,td{border:1px solid #ccc;padding:.2rem .5rem;text-align:right}th{background:#f1f3f4}
-td:first-child,td:nth-child(2){text-align:left}img{max-width:100%;border:1px solid #eee}.note{color:#555}"""
-
+FOLDED = {"worst", "by_k", "by_dist", "by_layout", "by_dtype"}  # long lists a reader opens when they need them
 
 
 _judge = verdict  # write_report's parameter `verdict` shadows the function
-
-
-def _env_line(env: Mapping) -> str:
-    return " · ".join(f"{key} {value}" for key, value in env.items() if value not in (None, ""))
-
 
 
 def _drawn(name: str, draw: Callable[[Figure], None]) -> bytes:
@@ -78,31 +77,21 @@ def _drawn(name: str, draw: Callable[[Figure], None]) -> bytes:
     return buffer.getvalue()
 
 
-def _markdown(title: str, judged: Verdict, env: Mapping, sections: list, images: list[Path]) -> str:
-    lines = [f"# {title}", "", f"**{judged.headline}**", "", _env_line(env), "", *(f"- {d}" for d in judged.details)]
-    for heading, note, table in sections:
-        lines += ["", f"## {heading}", ""] + ([note, ""] if note else [])
-        text, align = displayed(table)
-        lines.append(text.to_markdown(index=False, disable_numparse=True, colalign=align) if len(text) else "(no rows)")
-    lines += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
-    if judged.next_step:
-        lines += ["", "## What to run next", "", f"`{judged.next_step}`: {Verdict.NEXT_STEP_WHY}"]
-    return "\n".join(lines) + "\n"
+def _png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a PNG (from its IHDR chunk): the page reserves the image's box before it loads."""
+    if not data.startswith(b"\x89PNG"):
+        return 0, 0
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-def _html(title: str, judged: Verdict, env: Mapping, sections: list, images: list[Path]) -> str:
-    e = html.escape
-    body = [f"<h1>{e(title)}</h1>", f'<p class="headline {"pass" if judged.ok else "fail"}">{e(judged.headline)}</p>',
-            f'<p class="env">{e(_env_line(env))}</p>', "<ul>", *(f"<li>{e(d)}</li>" for d in judged.details), "</ul>"]
-    for heading, note, table in sections:
-        body += [f"<h2>{e(heading)}</h2>"] + ([f'<p class="note">{e(note)}</p>'] if note else [])
-        text, _ = displayed(table)
-        body.append(text.to_html(index=False, border=0) if len(text) else "<p>(no rows)</p>")
-    body += ["<h2>Plots</h2>", *(f'<p><img src="{e(i.name)}" alt="{e(i.stem)}" /></p>' for i in images)]
-    if judged.next_step:
-        body += ["<h2>What to run next</h2>", f"<p><code>{e(judged.next_step)}</code>: {e(Verdict.NEXT_STEP_WHY)}</p>"]
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8" />\n<title>{e(title)}</title>\n'
-            f"<style>\n{CSS}\n</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
+def _sections(frame: pd.DataFrame, o: "ReportOptions") -> list[Section]:
+    """The report's sections: the parity tables (or the caller's own `tables`), then `extra_tables`."""
+    if o.tables is not None:
+        tables = [Section(heading, note, table) for heading, note, table in o.tables]
+    else:
+        tables = [Section(TABLE_HEADINGS[name][0], section_note(name, table), table, folded=name in FOLDED)
+                  for name, table in summary_tables(frame).items()]
+    return [*tables, *(Section(name, None, table, folded=True) for name, table in (o.extra_tables or {}).items())]
 
 
 @dataclass(frozen=True)
@@ -125,14 +114,18 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, **options) -> list[Pa
 
     results.csv.gz  the full tidy table (tuples as text; read it back with read_results)
     env.json        frame.attrs["env"]: versions, device, git commit
-    summary.md      title, the verdict's headline, the environment in one line, the evidence,
-                    then the tables (GitHub Markdown)
-    index.html      the same as a standalone page (inline CSS, no scripts, no external files)
-    *.png           with plots=True: sqnr_vs_k.png and parity_heatmap.png (where the frame
-                    has their data), then `extra_plots` (file name -> draw(fig)) in any case
+    summary.md      title, the summary (the verdict's short headline, the figure, the worst
+                    judged values, what to run next), the environment in one line, the
+                    evidence, then the tables (GitHub Markdown; parity.report_pages)
+    index.html      the same as a standalone page (inline CSS, no scripts, no external files),
+                    whose summary fits the first screen and whose tables scroll in their own box
+    *.png           with plots=True: summary.png (the summary's figure), sqnr_vs_k.png and
+                    parity_heatmap.png (where the frame has their data), then `extra_plots`
+                    (file name -> draw(fig)) in any case
 
     `verdict` defaults to verdict(frame, candidate=...); pass your own to
-    headline another kind of report. `extra_tables` (heading -> table) follow the summary.
+    headline another kind of report. `extra_tables` (heading -> table) follow the tables, folded
+    in the HTML. A section whose table is empty is left out.
     `tables` ((heading, note, table) sections) replaces the parity summary: then `frame` may be
     any tidy table (a benchmark's), `verdict` is required and plots=False skips the parity plots.
     write_table=False leaves results.csv.gz and env.json as they are (`report DIR` re-renders
@@ -151,11 +144,12 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, **options) -> list[Pa
     env = frame.attrs.get("env", {})
     drawings = {**(standard_plots(frame, o.candidate) if o.plots else {}), **(o.extra_plots or {})}
     images = {out / name: _drawn(name, draw) for name, draw in drawings.items()}
-    tables = o.tables if o.tables is not None else [(*TABLE_HEADINGS[name], table)
-                                                    for name, table in summary_tables(frame).items()]
-    sections = [*tables, *((name, None, table) for name, table in (o.extra_tables or {}).items())]
-    pages = {out / "summary.md": _markdown(o.title, judged, env, sections, list(images)),
-             out / "index.html": _html(o.title, judged, env, sections, list(images))}
+    summary = summarize(frame, judged, o.candidate, parity=o.tables is None,
+                        figure=SUMMARY_PLOT if out / SUMMARY_PLOT in images else None)
+    sections = _sections(frame, o)
+    sizes = {path.name: _png_size(data) for path, data in images.items()}
+    pages = {out / "summary.md": markdown_page(o.title, summary, env, sections, list(images)),
+             out / "index.html": html_page(o.title, summary, env, sections, list(images), sizes)}
     written = []
     if o.write_table:
         data = {out / RESULTS_FILE: gzip.compress(frame.to_csv(index=False).encode(), mtime=0),

@@ -1,6 +1,11 @@
-"""The report's tables of a results table: accuracy against fp64, bitwise parity, crashes, where the
-worst values are (and why they are expected), and median SQNR by K, distribution, layout and dtype;
+"""The report's tables of a results table: accuracy against fp64 and bitwise parity, crashes, the
+worst judged values, the expected outliers, and median SQNR by K, distribution, layout and dtype;
 and the text form every report prints them in.
+
+Every table but `outliers` reads the rows the verdict judges (parity.report_rows): on data the
+sqnr policy exempts (tiny_amax, an outlier row, fp16 with nearmax data) an SQNR of 0 dB is the
+expected result, not a finding, and a table that mixed it in would show a PASS with "SQNR min
+0.00". Those rows, and NaN/Inf from an overflow of the data, are in `outliers`, with the reason.
 
 SQNR statistics are order statistics (pandas' interpolation="lower"): every number shown was
 measured on some case, and SQNR = inf (the candidate equals the fp64 result bitwise, as on
@@ -14,39 +19,50 @@ import math
 
 import pandas as pd
 
-from parity.cases import TENSORS, CaseError, Dist, parse_case_id
-from parity.check import rerun_command
-from parity.impls import recipe_flag
-from parity.policy import ACCURACY_REFERENCE, Policy, evaluate, row_policy, sqnr_floor
-from parity.recipes import DEFAULT_RECIPE, get_recipe
+from parity.cases import TENSORS, Dist
+from parity.policy import sqnr_floor
+from parity.recipes import GRAD_BIAS_SQNR_DB, GRAD_BIAS_WHY, get_recipe
+from parity.report_rows import (accuracy_rows, judged_accuracy, parity_rows, plural, ran, rerun, skipped_mask,
+                                sqnr_unjudged)
+from parity.report_worst import UNJUDGED_DATA, worst_values
 from parity.results_file import validated
-from parity.rows import Row, rows_from_frame
+from parity.rows import rows_from_frame
+
+__all__ = ["TABLE_HEADINGS", "accuracy_rows", "displayed", "dtype_label", "layout_label", "overall", "parity_rows",
+           "percent", "plural", "ran", "section_note", "skipped_mask", "summary_tables"]
 
 LAYOUT_COLUMNS = {"input_layout": "in", "weight_layout": "w", "grad_output_layout": "go"}
 OPERAND_LAYOUTS = [f"{operand}:{letter}" for operand in LAYOUT_COLUMNS.values() for letter in "CTSP"]
 K_BINS, K_LABELS = [0, 64, 256, 1024, 4096, math.inf], ["16-64", "65-256", "257-1024", "1025-4096", ">4096"]
 MESSAGE_CHARS = 160  # an exception's first line in the crash table: enough for type, message and place
-TABLE_HEADINGS = {  # table name -> (heading, note)
+OVERFLOW_WHY = "NaN/Inf where the output dtype itself overflows (fp16's 65504): the data's, not the code's"
+TABLE_HEADINGS = {  # table name -> (heading, note); section_note adds what depends on the table
     "overall": ("Accuracy against fp64 and bitwise parity, per implementation and tensor",
-                "SQNR columns are order statistics over the rows against fp64; inf means bitwise equal to fp64 "
-                "(all-zero data). Expected SQNR: the recipe's quantization-noise model (Recipe.expected_sqnr_db); "
-                "SQNR floor: the sqnr policy's floor on normal data of many elements (parity.policy.sqnr_floor: "
-                "expected - 3 dB; lower for small tensors and tiny data; some data is not judged: see where the "
-                "worst values are). max rel err: the greatest |candidate - fp64| relative to the tensor's largest "
-                "|fp64| (normwise, so a reference of 0 gives no inf). NaN/Inf where fp64 is finite: the "
-                "candidate's non-finite elements that the data does not explain (a finding); NaN/Inf from "
-                "overflow: Inf where the output dtype itself overflows (fp16's 65504), and NaN where fp64 has it "
-                "too; crashed cases: cases where the implementation raised; skipped cases: cases the "
-                "implementation or its reference cannot take (its recipe's alignment, a CUDA-only kernel, a known "
-                "limitation), listed in the verdict."),
+                "Over the rows the verdict judges: the expected outliers are in their own section. SQNR columns "
+                "are order statistics over the rows against fp64; inf means bitwise equal to fp64 (all-zero "
+                "data). Expected SQNR: the recipe's quantization-noise model (Recipe.expected_sqnr_db); SQNR "
+                "floor: the sqnr policy's floor on normal data of many elements (parity.policy.sqnr_floor: "
+                "expected - 3 dB; lower for small tensors and tiny data). max rel err: the greatest |candidate - "
+                "fp64| relative to the tensor's largest |fp64| (normwise, so a reference of 0 gives no inf; "
+                "measured, not judged). NaN/Inf where fp64 is finite: the candidate's non-finite elements that "
+                "the data does not explain (a finding); crashed cases: cases where the implementation raised; "
+                "skipped cases: cases the implementation or its reference cannot take (its recipe's alignment, a "
+                "CUDA-only kernel, a known limitation), listed in the verdict; outlier cases: cases in the "
+                "expected outliers."),
     "crashes": ("Crashes, per implementation and exception",
                 "Every implementation that raised (or a reference, when it raised alone), with the first line of "
                 "the exception, the cases that raised it, the first of them, and the command that reruns it."),
-    "worst": ("Where the worst values are",
-              "The row behind each minimum SQNR and maximum relative error against fp64 and maximum ULP distance "
-              "against the recipe's exact emulation (ULPs where the reference is not 0; differing elements where "
-              "it is 0 are counted apart), its data, why the value is expected (or the finding it is), and the "
-              "command that reruns it."),
+    "worst": ("Where the worst judged values are",
+              "Per implementation and tensor, the row nearest its limit under each policy that judged it: the "
+              "lowest SQNR above its floor against fp64 (the floor of that row's data and size), and the largest "
+              "share of the accumulation bound against the recipe's exact emulation (1 is the bound; ULPs in the "
+              "why); its data, why the value is expected (or the finding it is), and the command that reruns it."),
+    "outliers": ("Expected outliers: measured, not judged by SQNR",
+                 "Rows against fp64 whose data the sqnr policy exempts, and NaN/Inf from an overflow of the data: "
+                 "their SQNR and relative error are what that data gives a correct implementation, so they stay "
+                 "out of the tables above (the bitwise and accumulation policies still judge these cases). Per "
+                 "data and implementation: the cases, the tensors, the lowest SQNR and the command that reruns "
+                 "its row."),
     "by_k": ("Median SQNR against fp64 (dB) by K", None),
     "by_dist": ("Median SQNR against fp64 (dB) by data distribution", None),
     "by_layout": ("Median SQNR against fp64 (dB) by operand layout",
@@ -55,8 +71,16 @@ TABLE_HEADINGS = {  # table name -> (heading, note)
 }
 
 
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+def section_note(name: str, table: pd.DataFrame) -> str | None:
+    """The note under table `name`'s heading: TABLE_HEADINGS' note, and what only the table knows:
+    why grad_bias's expected SQNR is a fixed value (when the table has grad_bias), and the reason of
+    each kind of outlier data it holds."""
+    note = TABLE_HEADINGS[name][1]
+    if name == "overall" and "grad_bias" in set(table.index.get_level_values("tensor").astype(str)):
+        note += f" grad_bias's expected {GRAD_BIAS_SQNR_DB:.1f} dB: {GRAD_BIAS_WHY}."
+    if name == "outliers":
+        note += " " + " ".join(f"{data}: {_outlier_why(data)}." for data in dict.fromkeys(table["data"]))
+    return note
 
 
 def _order_statistic(grouped, q: float) -> pd.Series:
@@ -72,36 +96,19 @@ def dtype_label(rows: pd.DataFrame) -> pd.Series:
     return "in:" + rows["input_dtype"].astype(str) + " w:" + rows["weight_dtype"].astype(str)
 
 
-def ran(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows where neither the implementation nor the reference raised, nor was the case
-    skipped: those with metrics."""
-    return rows[rows["error"].isna() & rows["reference_error"].isna() & ~skipped_mask(rows)]
-
-
-def skipped_mask(rows: pd.DataFrame) -> pd.Series:
-    return rows["skipped"].fillna("").astype(str) != ""
-
-
-def parity_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """The rows judged bitwise: each implementation against another of its own recipe."""
-    return frame[frame["policy"] == Policy.BITWISE.value]
-
-
-def accuracy_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """Rows against fp64, with `tensor` ordered as the layer computes them."""
-    rows = frame[frame["reference"] == ACCURACY_REFERENCE]
-    return rows.assign(tensor=pd.Categorical(rows["tensor"], categories=TENSORS))
-
-
 def overall(frame: pd.DataFrame) -> pd.DataFrame:
     """Per implementation x tensor: the columns of the `overall` table (see summary_tables)."""
     keys = ["impl", "tensor"]
     frame = frame.assign(tensor=pd.Categorical(frame["tensor"], categories=TENSORS))
-    accuracy = ran(frame[frame["reference"] == ACCURACY_REFERENCE]).groupby(keys, observed=True)
+    judged = judged_accuracy(frame)
+    accuracy = judged.groupby(keys, observed=True)
     sqnr = accuracy["sqnr_db"]
     parity = ran(parity_rows(frame))
     once = frame.drop_duplicates(["case_id", "impl", "tensor", "step"])  # an impl's own facts repeat per reference
     crashed = once[once["error"].notna()]
+    outliers = _outlier_rows(frame)
+    counted = judged if len(judged) else once  # no rows against fp64: the implementation's own counts
+    findings, _ = _nonfinite(counted)
     table = pd.concat({
         "recipe": frame.groupby(keys, observed=True)["recipe"].first(),
         "cases": ran(frame).groupby(keys, observed=True)["case_id"].nunique(),
@@ -110,11 +117,12 @@ def overall(frame: pd.DataFrame) -> pd.DataFrame:
         "SQNR min (dB)": sqnr.min(),
         "max rel err": accuracy["max_rel_err"].max(),
         "bitwise vs its recipe's reference (%)": 100 * parity.groupby(keys, observed=True)["bitwise"].mean(),
-        **_nonfinite_counts(frame, once),
+        "NaN/Inf where fp64 is finite": findings.groupby([counted["impl"], counted["tensor"]], observed=True).sum(),
         "crashed cases": crashed.groupby(keys, observed=True)["case_id"].nunique(),
         "skipped cases": frame[skipped_mask(frame)].groupby(keys, observed=True)["case_id"].nunique(),
+        "outlier cases": outliers.groupby(keys, observed=True)["case_id"].nunique(),
     }, axis=1)
-    counts = ["cases", "NaN/Inf where fp64 is finite", "NaN/Inf from overflow", "crashed cases", "skipped cases"]
+    counts = ["cases", "NaN/Inf where fp64 is finite", "crashed cases", "skipped cases", "outlier cases"]
     table = table.assign(**{c: table[c].fillna(0).astype(int) for c in counts})
     expected = pd.DataFrame([_expected_sqnr(recipe, tensor) for (_, tensor), recipe in table["recipe"].items()],
                             index=table.index, columns=["expected SQNR (dB)", "SQNR floor (dB)"])
@@ -130,19 +138,47 @@ def _expected_sqnr(recipe, tensor: str) -> tuple[float, float]:
     return get_recipe(recipe).expected_sqnr_db(tensor), sqnr_floor(recipe, tensor, Dist.NORMAL.value)
 
 
-def _nonfinite_counts(frame: pd.DataFrame, once: pd.DataFrame) -> dict[str, pd.Series]:
-    """The candidate's non-finite elements in two kinds, from its rows against fp64: where fp64 is
-    finite and far from the output dtype's overflow (a finding: NaN, or Inf the data does not
-    explain), and Inf from overflow of a narrow dtype (fp16's 65504: the data's, not the code's)."""
-    vs64 = frame[frame["reference"] == "fp64"].drop_duplicates(["case_id", "impl", "tensor", "step"])
-    if vs64.empty:  # no fp64 rows: the counts alone
-        vs64 = once
-    nan, inf = vs64["nan"].fillna(0), vs64["inf"].fillna(0)
-    unexpected_inf = vs64["unexpected_inf"].fillna(0) if "unexpected_inf" in vs64 else inf
-    finding = (nan - vs64["ref_nan"].fillna(0)).clip(lower=0) + unexpected_inf
-    keys = [vs64["impl"], vs64["tensor"]]
-    return {"NaN/Inf where fp64 is finite": finding.groupby(keys, observed=True).sum(),
-            "NaN/Inf from overflow": (nan + inf - finding).clip(lower=0).groupby(keys, observed=True).sum()}
+def _nonfinite(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Each row's non-finite elements of the candidate in two kinds: where fp64 is finite and far
+    from the output dtype's overflow (a finding: NaN, or Inf the data does not explain), and
+    NaN/Inf from an overflow of a narrow dtype (fp16's 65504: the data's, not the code's)."""
+    nan, inf = rows["nan"].fillna(0), rows["inf"].fillna(0)
+    unexpected_inf = rows["unexpected_inf"].fillna(0) if "unexpected_inf" in rows else inf
+    finding = (nan - rows["ref_nan"].fillna(0)).clip(lower=0) + unexpected_inf
+    return finding, (nan + inf - finding).clip(lower=0)
+
+
+def _outlier_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows against fp64 that the outliers table holds: data the sqnr policy exempts, and rows
+    with NaN/Inf from an overflow of the data; column `data` says which (the distribution, or
+    "overflow")."""
+    rows = ran(accuracy_rows(frame))
+    unjudged = sqnr_unjudged(rows)
+    _, overflow = _nonfinite(rows)
+    rows = rows.assign(overflow=overflow, data=rows["dist"].astype(str).where(unjudged, "overflow"))
+    return rows[unjudged | (overflow > 0)]
+
+
+def _outlier_why(data: str) -> str:
+    return OVERFLOW_WHY if data == "overflow" else UNJUDGED_DATA.get(data, "the sqnr policy exempts this data")
+
+
+def _outliers(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per kind of outlier data x implementation: cases, tensors, the lowest SQNR, the largest
+    relative error, NaN/Inf from overflow, and the command that reruns the lowest SQNR's row."""
+    rows = _outlier_rows(frame)
+    if rows.empty:
+        return pd.DataFrame()
+    groups = rows.groupby(["data", "impl"], sort=False)
+    lowest = rows.loc[rows["sqnr_db"].fillna(-math.inf).groupby([rows["data"], rows["impl"]], sort=False).idxmin()]
+    table = pd.DataFrame({
+        "cases": groups["case_id"].nunique(),
+        "tensors": groups["tensor"].agg(lambda t: ", ".join(x for x in TENSORS if x in set(t.astype(str)))),
+        "SQNR min (dB)": groups["sqnr_db"].min(),
+        "max rel err": groups["max_rel_err"].max(),
+        "NaN/Inf from overflow": groups["overflow"].sum().astype(int),
+    })
+    return table.assign(rerun=[rerun(row) for row in rows_from_frame(lowest)]).reset_index()
 
 
 def _median_sqnr_by(rows: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -153,28 +189,33 @@ def _median_sqnr_by(rows: pd.DataFrame, column: str) -> pd.DataFrame:
 def summary_tables(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """The report's tables, indexed by implementation x tensor, values numeric (inf kept).
 
-    overall    recipe; cases run; median SQNR against fp64 beside the recipe's expected SQNR and
-               the policy's floor, p05 and min SQNR and max relative error against fp64; the
-               rate (%) of rows bitwise equal to the implementation of the same recipe it was
-               compared with; the implementation's NaN/Inf elements; cases that crashed; cases
-               skipped (the implementation or its reference cannot take them).
+    overall    recipe; cases run; over the judged rows: median SQNR against fp64 beside the
+               recipe's expected SQNR and the policy's floor, p05 and min SQNR and max relative
+               error against fp64; the rate (%) of rows bitwise equal to the implementation of
+               the same recipe it was compared with; the implementation's NaN/Inf elements that
+               the data does not explain; cases that crashed; cases skipped (the implementation
+               or its reference cannot take them); cases in the expected outliers.
     crashes    (only when something raised) per implementation and exception: its first line,
                the cases, one example and its rerun command.
-    worst      per implementation x tensor x worst value (SQNR min, max rel err, max ULP): the
-               row that attains it, its data, why it is expected (or the finding) and its
-               rerun command.
+    worst      (parity.report_worst.worst_values) per implementation x tensor x policy: the judged
+               row nearest its limit, its data, why it is expected (or the finding) and its rerun
+               command.
+    outliers   (only when there are some) per kind of exempt data (or "overflow") x
+               implementation: cases, tensors, the lowest SQNR, the largest relative error,
+               NaN/Inf from overflow, and a rerun command.
     by_k, by_dist, by_layout, by_dtype
-               median SQNR against fp64, one column per K bucket, distribution, operand layout
-               (marginal: in:T holds every case with a transposed input) or dtype pair. An
-               empty cell: no case of that group ran.
+               median SQNR against fp64 over the judged rows, one column per K bucket,
+               distribution, operand layout (marginal: in:T holds every case with a transposed
+               input) or dtype pair. An empty cell: no case of that group ran.
     """
     frame = validated(frame)
-    accuracy = ran(accuracy_rows(frame))
+    accuracy = judged_accuracy(frame)
     layouts = accuracy.melt(id_vars=["impl", "tensor", "sqnr_db"], value_vars=list(LAYOUT_COLUMNS),
                             var_name="operand", value_name="letter")
     layouts = layouts.assign(layout=pd.Categorical(layouts["operand"].map(LAYOUT_COLUMNS) + ":" + layouts["letter"],
                                                    categories=OPERAND_LAYOUTS))
-    optional = {"crashes": _crashes(frame), "worst": _worst_values(frame)}  # shown where they have rows
+    optional = {"crashes": _crashes(frame), "worst": worst_values(frame),
+                "outliers": _outliers(frame)}  # shown where they have rows
     return {
         "overall": overall(frame),
         **{name: table for name, table in optional.items() if len(table)},
@@ -183,18 +224,6 @@ def summary_tables(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
         "by_layout": _median_sqnr_by(layouts, "layout"),
         "by_dtype": _median_sqnr_by(accuracy.assign(dtypes=dtype_label(accuracy)), "dtypes"),
     }
-
-
-def _rerun(row: Row) -> str:
-    """The `fp8-parity check` command that runs exactly this row's case, implementation and
-    reference (parity.check.rerun_command); "" for a case id that parity.cases cannot rebuild."""
-    try:
-        case = parse_case_id(row.case_id)
-    except CaseError:
-        return ""
-    device = row.device.split(":")[0] if isinstance(row.device, str) else "auto"  # cuda:1 of a sharded sweep: cuda
-    recipe = row.recipe or DEFAULT_RECIPE.name
-    return rerun_command(row.impl, row.reference, device, recipe_flag(row.impl, recipe))(case)
 
 
 def _first_line(text: str) -> str:
@@ -218,77 +247,7 @@ def _crashes(frame: pd.DataFrame) -> pd.DataFrame:
     groups = raised.groupby(keys)
     first = groups.head(1).set_index(keys)  # the first row of each group, in the table's order
     table = groups["case_id"].nunique().rename("cases").to_frame().join(first["case_id"].rename("example case"))
-    return table.assign(rerun=[_rerun(row) for row in rows_from_frame(first.loc[table.index].reset_index())])
-
-
-WORST_VALUES = [  # (label, rows it is taken from, column, the largest is the worst)
-    ("SQNR min (dB)", "against fp64", "sqnr_db", False),
-    ("max rel err", "against fp64", "max_rel_err", True),
-    ("max ULP", "against its recipe's exact emulation", "ulp_max", True),
-]
-UNJUDGED_DATA = {  # dist -> why parity.policy.sqnr_floor gives it no floor (its docstring holds the measurements)
-    Dist.TINY_AMAX.value: "amax 1e-30 is below the scale's EPS floor of 1e-12: quantized to zeros by design",
-    Dist.OUTLIER_ROW.value: "one token 10^4x larger, which pushes the other rows of a per-tensor scale into "
-                            "fp8's subnormals (a property of such recipes)",
-    Dist.NEAR_MAX.value: "fp16 output of nearmax data: products of 448^2 overflow fp16's 65504",
-}
-EXPLAINED_DATA = {  # dist -> why its values are extreme where the policy holds
-    Dist.ZEROS.value: "all-zero data: only the bias's rounding is left",
-    Dist.TINY.value: "tiny data over ~20 binades: its smallest values fall into fp8's subnormals (floor 10 dB lower)",
-}
-
-
-def _why(row: Row) -> str:
-    """Why a row's value is expected: what explains it (the policy does not judge that data, the
-    data, an overflow of the output dtype, elements whose reference is 0) and how its policy
-    judged it; or the finding it is."""
-    found = evaluate([row])
-    if found:
-        return f"a finding: {found[0].message}"
-    policy = row_policy(row)
-    floor = (sqnr_floor(row.recipe, row.tensor, row.dist, row.input_dtype, row.n_eff)
-             if policy is Policy.SQNR else None)
-    unjudged = policy is Policy.SQNR and floor is None
-    reasons = (["not judged by SQNR: " + UNJUDGED_DATA.get(row.dist, "the sqnr policy exempts this data")]
-               if unjudged else [EXPLAINED_DATA[row.dist]] if row.dist in EXPLAINED_DATA else [])
-    if row.inf > row.unexpected_inf:
-        reasons.append("Inf where the output dtype overflows")
-    at_zero = row.n_diff_where_reference_zero
-    if at_zero > 0:
-        reasons.append(f"{plural(int(at_zero), 'element')} differ where the reference is 0 (not in ULPs)")
-    if policy is Policy.SQNR and not unjudged:
-        reasons.append(f"SQNR {row.sqnr_db:.1f} dB, above its floor of {floor:.1f} dB")
-    elif policy is Policy.ACCUMULATION:
-        reasons.append(f"at {row.bound_ratio:.2g} of the accumulation bound" if row.bound_ratio > 0 else
-                       "equal to its exact emulation")
-    elif policy is Policy.BITWISE:
-        reasons.append("bitwise equal to its recipe's reference")
-    elif not unjudged:
-        reasons.append("measured, not judged")
-    return "; ".join(reasons)
-
-
-def _worst_values(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per implementation x tensor x WORST_VALUES: the row that attains it (the first, on a tie)."""
-    measured = ran(frame).assign(tensor=lambda r: pd.Categorical(r["tensor"], categories=TENSORS))
-    sources = {"against fp64": measured[measured["reference"] == ACCURACY_REFERENCE],
-               "against its recipe's exact emulation": measured[measured["policy"] == Policy.ACCUMULATION.value]}
-    picked = []
-    for order, (label, source, column, largest) in enumerate(WORST_VALUES):
-        rows = sources[source].dropna(subset=[column])
-        if rows.empty:
-            continue
-        by = rows.groupby(["impl", "tensor"], observed=True)[column]
-        attained = rows.loc[by.idxmax() if largest else by.idxmin()]
-        picked.append(attained.assign(worst=label, order=order, value=attained[column]))
-    if not picked:
-        return pd.DataFrame()
-    rows = pd.concat(picked).sort_values(["impl", "tensor", "order"], kind="stable")
-    records = rows_from_frame(rows)
-    return pd.DataFrame({"impl": rows["impl"], "tensor": rows["tensor"].astype(str), "worst": rows["worst"],
-                         "value": rows["value"].astype(float), "against": rows["reference"], "case": rows["case_id"],
-                         "dist": rows["dist"], "why": [_why(r) for r in records],
-                         "rerun": [_rerun(r) for r in records]}).reset_index(drop=True)
+    return table.assign(rerun=[rerun(row) for row in rows_from_frame(first.loc[table.index].reset_index())])
 
 
 

@@ -20,6 +20,7 @@ from parity import report_diff, report_plots
 from parity.bench import COLUMNS as BENCH_COLUMNS
 from parity.report import (ADDED_LATER, KEY, ResultsError, diff_results, read_results, render_diff, summary_tables,
                            verdict, write_report)
+from parity.policy import sqnr_floor
 from parity.runner import all_pairs, run_cases
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -48,25 +49,31 @@ def parity_rows(frame: pd.DataFrame) -> pd.Series:
 
 def test_every_file_is_written_and_not_empty(report):
     out, paths = report
-    assert {p.name for p in paths} == {"results.csv.gz", "env.json", "summary.md", "index.html", "sqnr_vs_k.png",
-                                       "parity_heatmap.png"}
+    assert {p.name for p in paths} == {"results.csv.gz", "env.json", "summary.md", "index.html", "summary.png",
+                                       "sqnr_vs_k.png", "parity_heatmap.png"}
     assert all(p.parent == out and p.stat().st_size > 0 for p in paths)
 
 
 def test_plots_are_valid_pngs(report):
     out, _ = report
-    for name in ("sqnr_vs_k.png", "parity_heatmap.png"):
+    for name in ("summary.png", "sqnr_vs_k.png", "parity_heatmap.png"):
         assert (out / name).read_bytes().startswith(PNG_SIGNATURE)
         height, width, _ = imread(out / name).shape
         assert height > 100 and width > 100
 
 
-def test_summary_md_opens_with_the_title_then_the_verdict(report, results):
+def test_summary_md_opens_with_the_title_then_the_verdict_then_the_figure(report, results):
+    """The summary first (the verdict, the figure, the worst judged values, what to run next), then the
+    environment: the top answers before any table."""
     out, _ = report
     lines = [line for line in (out / "summary.md").read_text().splitlines() if line]
     assert lines[0] == "# tiny report"
     assert lines[1] == f"**{verdict(results).headline}**" and lines[1].startswith("**PASS: fp8_impl")
-    assert "torch " in lines[2]  # the environment, in one line
+    assert lines[2] == "![summary](summary.png)"
+    assert lines[4] == "Worst judged values of fp8_impl:" and lines[5].startswith("- **SQNR against fp64** (within")
+    assert "rerun: `fp8-parity check --impl fp8_impl --against fp64 --device cpu --case '" in lines[5]
+    nxt = next(i for i, line in enumerate(lines) if line.startswith("**What to run next:** `fp8-parity check"))
+    assert "torch " in lines[nxt + 1] and lines[nxt + 2].startswith("- SQNR vs fp64")  # the environment, the evidence
     assert "![sqnr_vs_k](sqnr_vs_k.png)" in lines
 
 
@@ -75,7 +82,10 @@ def test_index_html_is_well_formed_and_standalone(report):
     page = (out / "index.html").read_text()
     root = ElementTree.fromstring(page.removeprefix("<!DOCTYPE html>\n"))  # raises if not well-formed
     assert root.find("head/style") is not None and len(root.findall(".//table")) == 6  # with the worst values
-    assert {img.get("src") for img in root.iter("img")} == {"sqnr_vs_k.png", "parity_heatmap.png"}
+    assert {img.get("src") for img in root.iter("img")} == {"summary.png", "sqnr_vs_k.png", "parity_heatmap.png"}
+    summary = root.find(".//section[@id='summary']")
+    assert summary.find("p[@class='headline pass']") is not None and summary.find("figure/img") is not None
+    assert all(div.get("class") == "scroll" for div in root.iter("div")) and len(root.findall(".//div")) == 6
     assert "<script" not in page and "http" not in page
 
 
@@ -99,6 +109,24 @@ def test_read_results_round_trips(report, results, where):
     assert frame.attrs["env"] == results.attrs["env"]
     assert frame["bitwise"].dtype == bool and frame["case_id"].tolist() == results["case_id"].tolist()
     assert diff_results(results, frame).empty
+
+
+def test_an_empty_section_is_left_out_never_printed_as_no_rows(results, tmp_path):
+    write_report(results, tmp_path, plots=False, extra_tables={"by named shape": pd.DataFrame()})
+    for page in ("summary.md", "index.html"):
+        text = (tmp_path / page).read_text()
+        assert "by named shape" not in text and "(no rows)" not in text
+
+
+def test_grad_bias_s_fixed_expected_sqnr_is_explained_where_it_is_shown(report, results):
+    from parity.recipes import GRAD_BIAS_SQNR_DB, GRAD_BIAS_WHY
+    assert summary_tables(results)["overall"].loc[("fp8_impl", "grad_bias"), "expected SQNR (dB)"] == GRAD_BIAS_SQNR_DB
+    out, _ = report
+    for page in ("summary.md", "index.html"):
+        text = (out / page).read_text()
+        assert f"grad_bias's expected {GRAD_BIAS_SQNR_DB:.1f} dB: {GRAD_BIAS_WHY}" in text.replace("&#x27;", "'")
+        assert "high-precision sum in every recipe (parity.recipes.GRAD_BIAS_SQNR_DB)" in text  # the figure's caption
+    assert f"expected {GRAD_BIAS_SQNR_DB:.1f} (fixed: a high-precision sum)" in verdict(results).details[0]
 
 
 def test_extra_tables_and_plots_go_through_the_same_writer(results, tmp_path):
@@ -137,6 +165,7 @@ def test_verdict_fails_on_one_bad_row(results, column, value, phrase):
     assert not judged.ok and judged.headline.startswith("FAIL: fp8_impl (tensorwise) ")
     assert phrase in judged.headline and frame.loc[bad, "case_id"] in judged.headline
     assert any(frame.loc[bad, "case_id"] in line for line in judged.details)
+    assert judged.short == judged.brief and phrase in judged.brief and "(first: " not in judged.brief  # the report's
 
 
 def test_verdict_without_the_comparison_says_so(results):
@@ -304,14 +333,17 @@ def test_a_report_cut_short_never_leaves_the_old_summary_beside_a_new_table(resu
 
 def test_nonfinite_counts_separate_findings_from_overflow_of_the_data(results):
     """NaN that fp64 does not have, and Inf far from the output dtype's max, are findings; Inf
-    where fp16 itself overflows is the data's. The report counts them apart."""
+    where fp16 itself overflows is the data's. The report counts them apart: findings in the
+    accuracy table, the overflow in the expected outliers (the accuracy table once had both)."""
     frame = results.copy()
     row = (frame["impl"] == "fp8_impl") & (frame["reference"] == "fp64") & (frame["tensor"] == "output")
     first = frame.index[row][0]
     frame.loc[first, ["nan", "ref_nan", "inf", "unexpected_inf"]] = [3, 0, 5, 1]
-    overall = summary_tables(frame)["overall"].loc[("fp8_impl", "output")]
-    assert overall["NaN/Inf where fp64 is finite"] == 3 + 1
-    assert overall["NaN/Inf from overflow"] == 4
+    tables = summary_tables(frame)
+    overall = tables["overall"].loc[("fp8_impl", "output")]
+    assert overall["NaN/Inf where fp64 is finite"] == 3 + 1 and "NaN/Inf from overflow" not in overall
+    outlier = tables["outliers"].set_index(["data", "impl"]).loc[("overflow", "fp8_impl")]
+    assert outlier["NaN/Inf from overflow"] == 4 and outlier["tensors"] == "output"
 
 
 # ---- where the worst values are, expected SQNR, crashes, plots, diffs of other runs, the ETA ----------------
@@ -322,25 +354,51 @@ def _fp64_row(frame: pd.DataFrame, impl: str = "fp8_impl", tensor: str = "output
 
 
 @pytest.mark.parametrize(("dist", "input_dtype", "why"), [
-    ("tiny_amax", "bf16", "not judged by SQNR: amax 1e-30 is below the scale's EPS floor"),
-    ("outlier_row", "bf16", "not judged by SQNR: one token 10^4x larger"),
-    ("nearmax", "fp16", "not judged by SQNR: fp16 output of nearmax data"),
-    ("normal", "bf16", "a finding: output (step 0): SQNR 0.4 dB against fp64 is below the tensorwise floor"),
+    ("tiny_amax", "bf16", "amax 1e-30 is below the scale's EPS floor"),
+    ("outlier_row", "bf16", "one token 10^4x larger"),
+    ("nearmax", "fp16", "fp16 output of nearmax data"),
 ])
-def test_every_minimum_names_its_case_data_why_and_rerun(results, tmp_path, dist, input_dtype, why):
+def test_an_expected_outlier_is_in_its_own_section_never_in_the_main_tables(results, tmp_path, dist, input_dtype,
+                                                                            why):
+    """0.4 dB on data the sqnr policy exempts is what that data gives: the accuracy and worst tables,
+    which once showed it as "SQNR min", leave it out, and the outliers section has it with its reason."""
     frame = results.copy()
     low = _fp64_row(frame)
     frame.loc[low, ["sqnr_db", "dist", "input_dtype"]] = [0.4, dist, input_dtype]
-    worst = summary_tables(frame)["worst"].set_index(["impl", "tensor", "worst"])
-    row = worst.loc[("fp8_impl", "output", "SQNR min (dB)")]
+    tables = summary_tables(frame)
     case_id = frame.loc[low, "case_id"]
-    assert row["value"] == 0.4 and row["case"] == case_id and row["dist"] == dist and row["against"] == "fp64"
-    assert row["why"].startswith(why)
-    assert row["rerun"] == f"fp8-parity check --impl fp8_impl --against fp64 --device cpu --case '{case_id}'"
-    assert set(worst.index.get_level_values("worst")) == {"SQNR min (dB)", "max rel err"}  # no emulation here
+    assert verdict(frame).ok  # not judged, so no finding
+    assert tables["overall"].loc[("fp8_impl", "output"), "SQNR min (dB)"] > 20
+    assert tables["overall"].loc[("fp8_impl", "output"), "outlier cases"] == 1
+    worst = tables["worst"].set_index(["impl", "tensor", "worst"])
+    assert worst.loc[("fp8_impl", "output", "SQNR (dB)"), "value"] > 20
+    assert not (tables["by_dist"] == 0.4).any().any()
+    outlier = tables["outliers"].set_index(["data", "impl"]).loc[(dist, "fp8_impl")]
+    assert outlier["SQNR min (dB)"] == 0.4 and outlier["cases"] == 1 and outlier["tensors"] == "output"
+    assert outlier["rerun"] == f"fp8-parity check --impl fp8_impl --against fp64 --device cpu --case '{case_id}'"
     write_report(frame, tmp_path, plots=False)
     summary = (tmp_path / "summary.md").read_text()
-    assert "## Where the worst values are" in summary and f"--case '{case_id}'" in summary
+    section = summary.split("## Expected outliers: measured, not judged by SQNR", 1)[1].split("\n## ", 1)[0]
+    assert f"{dist}: " in section and why in section and f"--case '{case_id}'" in section
+    assert "| 0.40 |" not in summary.split("## Expected outliers")[0]  # nowhere above it
+
+
+def test_every_worst_judged_value_names_its_case_data_why_and_rerun(results, tmp_path):
+    frame = results.copy()
+    low = _fp64_row(frame)
+    frame.loc[low, "sqnr_db"] = 0.4
+    worst = summary_tables(frame)["worst"].set_index(["impl", "tensor", "worst"])
+    row = worst.loc[("fp8_impl", "output", "SQNR (dB)")]
+    case_id = frame.loc[low, "case_id"]
+    assert row["value"] == 0.4 and row["case"] == case_id and row["dist"] == "normal" and row["against"] == "fp64"
+    assert row["limit"] == pytest.approx(sqnr_floor("tensorwise", "output", "normal", "bf16", frame.loc[low, "n_eff"]))
+    assert row["why"].startswith("a finding: output (step 0): SQNR 0.4 dB against fp64 is below the tensorwise floor")
+    assert row["rerun"] == f"fp8-parity check --impl fp8_impl --against fp64 --device cpu --case '{case_id}'"
+    assert set(worst.index.get_level_values("worst")) == {"SQNR (dB)"}  # no emulation here; rel err is not judged
+    write_report(frame, tmp_path, plots=False)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Where the worst judged values are" in summary and f"--case '{case_id}'" in summary
+    assert "- **SQNR against fp64** (finding): output 0.4 dB, " in summary  # the summary names it first
 
 
 @pytest.fixture(scope="module")
@@ -352,16 +410,17 @@ def emulated_results() -> pd.DataFrame:
 
 def test_a_worst_value_within_its_policy_says_so(emulated_results):
     worst = summary_tables(emulated_results)["worst"].set_index(["impl", "tensor", "worst"])
-    assert worst.loc[("fp8_impl", "grad_input", "SQNR min (dB)"), "why"].startswith("SQNR ")
-    assert "above its floor of" in worst.loc[("fp8_impl", "grad_input", "SQNR min (dB)"), "why"]
-    ulps = worst.xs("max ULP", level="worst")
-    assert len(ulps) == 3 and (ulps["against"] == "emulated:tensorwise").all()
-    for _, ulp in ulps.iterrows():
-        assert ulp["why"] == "equal to its exact emulation" if ulp["value"] == 0 else re.fullmatch(
-            r"at [0-9.e-]+ of the accumulation bound", ulp["why"])
+    assert worst.loc[("fp8_impl", "grad_input", "SQNR (dB)"), "why"].startswith("SQNR ")
+    assert "above its floor of" in worst.loc[("fp8_impl", "grad_input", "SQNR (dB)"), "why"]
+    shares = worst.xs("share of the accumulation bound", level="worst")  # what the policy judges, not ULPs
+    assert len(shares) == 3 and (shares["against"] == "emulated:tensorwise").all() and (shares["limit"] == 1).all()
+    for _, share in shares.iterrows():
+        assert share["why"] == "equal to its exact emulation" if share["value"] == 0 else re.fullmatch(
+            r"at [0-9.e-]+ of the accumulation bound \(\d+ ULP\)", share["why"])
     frame = emulated_results.copy()
     frame.loc[frame["reference"] == "emulated:tensorwise", "n_diff_where_reference_zero"] = 3
-    why = summary_tables(frame)["worst"].set_index(["impl", "tensor", "worst"]).loc[("fp8_impl", "output", "max ULP")]
+    why = summary_tables(frame)["worst"].set_index(["impl", "tensor", "worst"]).loc[
+        ("fp8_impl", "output", "share of the accumulation bound")]
     assert why["why"].startswith("3 elements differ where the reference is 0 (not in ULPs); ")
 
 

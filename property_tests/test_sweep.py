@@ -71,11 +71,13 @@ def test_sweep_exits_1_when_the_candidate_loses_parity(tmp_path, capsys):
                  str(tmp_path), "--impl", "evals/zoo/mutants.py:weight_scale_bf16"])
     out = capsys.readouterr().out
     assert code == 1 and out.startswith("FAIL")
-    # a failing report ends with what to run next: bisect on the smallest failing case
+    # a failing report says what to run next in its summary, before the tables: bisect on the smallest failing case
     command = "fp8-parity bisect --impl evals/zoo/mutants.py:weight_scale_bf16 --case 'M"
     assert out.splitlines()[1].startswith(f"next: {command}"), out
     summary = (tmp_path / "summary.md").read_text().rstrip().splitlines()
-    assert summary[-3] == "## What to run next" and summary[-1].startswith(f"`{command}"), summary[-3:]
+    nxt = next(i for i, line in enumerate(summary) if line.startswith("**What to run next:**"))
+    first_table = next(i for i, line in enumerate(summary) if line.startswith("## "))
+    assert summary[nxt].startswith(f"**What to run next:** `{command}") and nxt < first_table, summary[:nxt + 1]
 
 
 def test_sharded_sweep_equals_one_worker():
