@@ -19,22 +19,30 @@ Options (all prefixed, so they never collide with yours):
     --fp8-seed N        the seed of non-hypothesis test data
 
 Fixtures: `fp8_suite` (the implementation, reference, cases and failure reports: parity.suite),
-`device`, `seed`, `generator`, `xdist_device`. Marker: `fp8_gpu` (needs a CUDA device with FP8
-support; skipped elsewhere). Hypothesis profiles `fp8-dev`, `fp8-ci` (derandomized, no deadline,
-no database), `fp8-gpu` and `fp8-thorough` are registered; one is loaded only when you have not
-chosen a profile yourself: FP8_PARITY_PROFILE, else fp8-ci when CI is set, else fp8-dev.
-Strategies for your own tests: parity.strategies.
+`device`, `seed`, `generator`, `xdist_device`; `fp8_candidate` and `fp8_case` on property tests.
+Marker: `fp8_gpu` (needs a CUDA device with FP8 support; skipped elsewhere). Hypothesis profiles
+`fp8-dev`, `fp8-ci` (derandomized, no deadline, no database), `fp8-gpu` and `fp8-thorough` are
+registered; one is loaded only when you have not chosen a profile yourself: FP8_PARITY_PROFILE,
+else fp8-ci when CI is set, else fp8-dev. Strategies for your own tests: parity.strategies.
+
+How tests read: a module marked `pytestmark = parity.property_items.PROPERTY_TEST` (the shipped
+suite) has node ids that name the implementation and the case, one test per case pinned with
+parity.property_items.pinned (parity.property_items); any PropertyFailure, in your tests too, is
+shown finding first, without a traceback of the harness (parity.pytest_report). This module holds
+the options, hooks and fixtures; that work lives in those two.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-from parity import cpu_gemm, hopper, sharding, suite
+from parity import cpu_gemm, hopper, property_items, pytest_report, sharding, suite
+from parity.cases import CaseError, parse_case_id
 from parity.env import environment
 from parity.impls import ImplError
 from parity.recipes import RecipeError
@@ -90,6 +98,8 @@ def pytest_addoption(parser):
 @pytest.hookimpl(trylast=True)  # after hypothesis has read --hypothesis-profile
 def pytest_configure(config):
     config.addinivalue_line("markers", f"fp8_gpu: {GPU_SKIP_REASON}; skipped elsewhere")
+    config.addinivalue_line("markers", f"{property_items.MARKER}: a property test of --fp8-impl "
+                                       f"(parity.property_items)")
     if sharding.xdist_processes() > 1:  # `pytest -n N`: N workers share the host's cores
         sharding.share_host_threads(sharding.xdist_processes())
     chosen = config.getoption("--hypothesis-profile", None)
@@ -98,7 +108,11 @@ def pytest_configure(config):
         settings.load_profile(default_profile())
     profile = getattr(settings, "_current_profile", None) or default_profile()
     case_id = config.getoption("--fp8-case")
-    if case_id:  # exactly one case: no explicit @examples, one generated example (the given case)
+    if case_id:  # exactly one case: no pinned cases, one generated example (the given case)
+        try:
+            parse_case_id(case_id)  # a typo: a usage error now, not an error collecting each property test
+        except CaseError as err:
+            raise pytest.UsageError(f"--fp8-case: {err}") from None
         settings.register_profile("fp8-rerun", parent=settings.get_profile(profile), max_examples=1,
                                   phases=[Phase.generate])
         settings.load_profile("fp8-rerun")
@@ -125,6 +139,61 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--fp8-impl/--fp8-recipe/--fp8-against: {err}") from None
 
 
+def pytest_report_header(config):
+    if config.getoption("--fp8-impl"):
+        return pytest_report.header_line(suite.SUITE)
+    return None
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    """The shipped suite outside the rootdir gets its absolute path as node id, not ""."""
+    if module_path.is_relative_to(parent.config.rootpath):
+        return None  # the common case, without looking the suite up
+    try:
+        shipped = shipped_suite()
+    except SuiteNotInstalled:
+        shipped = None
+    return property_items.suite_module(module_path, parent, shipped)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_generate_tests(metafunc):
+    """A property test's ids: the implementation before the test's own parameters (which the
+    hooks inside this wrapper add), the case after them (parity.property_items)."""
+    property_items.parametrize_implementation(metafunc, suite.SUITE.impl_spec)
+    result = yield
+    property_items.parametrize_cases(metafunc, suite.SUITE.case_id)
+    return result
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    return property_items.call_item(pyfuncitem)  # None: pytest calls it as usual
+
+
+def pytest_runtest_setup(item):
+    suite.SUITE.rerun_node = functools.partial(property_items.rerun_node_id, item)
+
+
+def pytest_runtest_teardown(item):
+    suite.SUITE.rerun_node = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    property_items.note_outcome(item, report)
+    if report.failed and call.excinfo is not None:
+        report.longrepr = pytest_report.finding_first(item, call.excinfo) or report.longrepr
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    line = pytest_report.summary_line(terminalreporter, suite.SUITE)
+    if line:
+        terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     if fp8_gpu_available():
         return
@@ -138,6 +207,20 @@ def pytest_collection_modifyitems(config, items):
 def fp8_suite() -> suite.Suite:
     """The implementation under test, its reference, case strategies and failure reports."""
     return suite.SUITE
+
+
+@pytest.fixture
+def fp8_candidate(request):
+    """The implementation under test (parity.impls.Impl). Parametrized by the plugin on a property
+    test, with its name as the id: the id of every such test opens with the implementation."""
+    return suite.SUITE.candidate
+
+
+@pytest.fixture
+def fp8_case(request):
+    """On a property test: the case it runs (parity.property_items.Pinned), or
+    parity.property_items.Generated for the hypothesis search; None elsewhere."""
+    return getattr(request, "param", None)
 
 
 @pytest.fixture(scope="session")

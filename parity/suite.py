@@ -4,8 +4,10 @@ how failures are reported, and the metric rows kept for `--fp8-report`.
 The pytest plugin (parity.pytest_plugin) fills SUITE from the command line (`--fp8-impl`,
 `--fp8-against`, `--fp8-device`, `--fp8-case`);
 the tests draw cases from `SUITE.cases()` and report through `SUITE.fail`, so every failure
-ends with the case id, an assert_close-style metrics table and a one-line command that
-reruns exactly that case. Your own suite can use it the same way.
+reads the same way: its first line the finding (the first violation: which tensor, which metric,
+the value and what is allowed), then the one-line command that reruns exactly that case, then the
+property, the case id and the evidence (assert_close-style metrics tables). Your own suite can use
+it the same way. (How pytest shows it, without a traceback of this module: parity.pytest_report.)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import importlib.util
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +59,12 @@ def shipped_suite() -> Path:
 
 
 class PropertyFailure(AssertionError):
-    """A property does not hold: the message carries the case, the evidence and the rerun command."""
+    """A property does not hold: the message's first line is the finding, then the rerun command,
+    the case and the evidence."""
+
+    @property
+    def finding(self) -> str:
+        return str(self).split("\n", 1)[0]
 
 
 @dataclass
@@ -68,6 +76,9 @@ class Suite:
     case_id: str | None = None  # rerun exactly this case
     max_dim: int = 128
     rows: list[Row] = field(default_factory=list)  # every metric row computed, for --fp8-report
+    # the node id that reruns the running test on a case (the plugin sets it per test:
+    # parity.property_items.rerun_node_id); None: read from PYTEST_CURRENT_TEST
+    rerun_node: Callable[[Case], str] | None = None
 
     @functools.cached_property
     def candidate(self) -> Impl:
@@ -123,22 +134,35 @@ class Suite:
         return outcome
 
     def rerun_command(self, case: Case) -> str:
-        current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests/suite/test_properties.py").split(" ")[0]
-        if current.startswith("::"):  # the shipped suite run from another repository: its node id has no path
-            current = f"{shipped_suite()}{current}"
+        if self.rerun_node is not None:
+            current = self.rerun_node(case)
+        else:
+            current = os.environ.get("PYTEST_CURRENT_TEST", "property_tests/suite/test_properties.py").split(" ")[0]
+            if current.startswith("::"):  # a file outside the rootdir: its node id has no path
+                current = f"{shipped_suite()}{current}"
         parts = ["python", "-m", "pytest", current, "--fp8-impl", self.impl_spec,
                  *(["--fp8-recipe", self.recipe] if self.recipe else []), "--fp8-against", self.reference.name,
                  "--fp8-device", self.device, "--fp8-case", case.id]
         return " ".join(shlex.quote(p) for p in parts)
 
-    def fail(self, title: str, case: Case, evidence: list[str]) -> None:
-        lines = [f"{title}", f"case: {case.id}", *map(str, evidence), "", "Rerun exactly this case:",
-                 f"  {self.rerun_command(case)}"]
+    def fail(self, title: str, case: Case, evidence: list[str], *, finding: str | None = None) -> None:
+        """Raise PropertyFailure: `finding` first (default: the title and the first line of evidence,
+        such as which tensor differs by how much), the rerun command, then the title, the case and
+        the evidence."""
+        __tracebackhide__ = True  # pytest: the failure is the test's line, not this one
+        evidence = [str(line) for line in evidence if str(line).strip()]
+        if finding is None:
+            finding = f"{title}: {evidence[0].splitlines()[0]}" if evidence else title
+        lines = [finding, "Rerun exactly this case:", f"  {self.rerun_command(case)}", "", title, f"case: {case.id}",
+                 *evidence]
         raise PropertyFailure("\n".join(lines))
 
     def assert_no_violations(self, title: str, case: Case, rows: list[Row], violations: list[Violation]) -> None:
+        """Fail with the violations (their assert_close-style tables), the first one the finding."""
+        __tracebackhide__ = True
         if violations:
-            self.fail(title, case, violation_lines(violations, rows, full=True))
+            lines = violation_lines(violations, rows, full=True)
+            self.fail(title, case, lines, finding=lines[0])
 
 
 SUITE = Suite()

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from parity.cases import Case, edge_cases
+from parity.property_items import case_param_id, impl_id
+
 REPO = Path(__file__).resolve().parents[1]
 ZOO = REPO / "evals" / "zoo" / "mutants.py"
 USER_TEST = textwrap.dedent('''
@@ -31,8 +34,20 @@ USER_TEST = textwrap.dedent('''
 
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """argv in a fresh python in `cwd`, with this checkout's parity first on the path (an editable
+    install may point at another checkout)."""
     return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "CI": "true"})
+                          env={**os.environ, "CI": "true", "PYTHONPATH": os.pathsep.join(
+                              [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
+
+
+def test_a_node_ids_implementation_and_case_parts_are_short_and_shell_safe():
+    """The implementation as written without its directory; a case id with `-` for `|`, one to one."""
+    assert impl_id(f"{ZOO}:scale_not_inverted") == "mutants.py:scale_not_inverted"
+    assert impl_id("mypkg.fp8:Float8Linear") == "mypkg.fp8:Float8Linear" and impl_id("fp8_impl") == "fp8_impl"
+    assert impl_id("my dir/my fp8.py:Linear") == "my_fp8.py:Linear" and impl_id("C:\\fp8\\mine.py") == "mine.py"
+    for case in edge_cases():
+        assert "|" not in case_param_id(case) and Case.from_id(case_param_id(case).replace("-", "|")) == case
 
 
 def test_a_users_own_test_gets_the_fixtures_and_strategies_through_fp8_parity_test(tmp_path):
@@ -166,6 +181,98 @@ def scratch_env() -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "CI": "true"}
 
 
+def installed_suite(python: Path) -> str:
+    """The shipped suite's file in the scratch venv: what its node ids start with."""
+    return subprocess.check_output([python, "-c", "from parity.suite import shipped_suite; print(shipped_suite())"],
+                                   text=True, env=scratch_env(), cwd=python.parent).strip()  # not this checkout's
+
+
+def scratch_pytest(python: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-m", "pytest", "-p", "no:cacheprovider", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env=scratch_env())
+
+
+SCALE_NOT_INVERTED = f"{ZOO}:scale_not_inverted"  # every case shows it, in grad_input and grad_weight
+FINDING = "[bitwise] grad_input (step 0): not bitwise equal to torchao:tensorwise: "  # how its finding opens
+TINY = "M32K64N48|in:bf16:C|w:bf16:C|go:C|tiny|seed0"  # one of the suite's pinned edge cases
+
+
+def node_name(case_id: str) -> str:
+    return f"test_parity_with_reference[mutants.py:scale_not_inverted-{case_id.replace('|', '-')}]"
+
+
+def test_every_shipped_property_test_is_named_by_its_path_implementation_and_case(scratch_venv, tmp_path):
+    """From another repository, each node id is the installed suite's path (not "", as pytest names
+    a file outside its rootdir), then the implementation and a case with no character a shell or
+    `-k` chokes on; each pinned case is a test of its own, beside the search (`generated`)."""
+    done = scratch_pytest(scratch_venv, tmp_path, "--collect-only", "-q", "--fp8-impl", SCALE_NOT_INVERTED,
+                          "--fp8-device", "cpu")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    node_ids = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(node_ids) > 40, done.stdout[-3000:]
+    suite = installed_suite(scratch_venv)
+    for node_id in node_ids:
+        path, name = node_id.split("::")
+        assert path == suite and "[mutants.py:scale_not_inverted-" in name and name.endswith("]"), node_id
+        assert not set(name) & set("|\\\"' ;&()<>$`*?"), node_id
+    parity = [n.split("::")[1] for n in node_ids if "::test_parity_with_reference[" in n]
+    assert node_name(TINY) in parity and node_name("generated") in parity, parity
+    assert len(parity) == len(edge_cases()) + 1, parity
+
+
+def failure_of(stdout: str, test_id: str) -> list[str]:
+    """The non-blank lines of one test's failure section: after its `___ test_id ___` title, to the next."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip("_ ") == test_id)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(("_", "="))), len(lines))
+    return [line for line in lines[start + 1:end] if line.strip()]
+
+
+def summary_line(stdout: str, name: str, cwd: Path, python: Path) -> str:
+    """What the short test summary says after `FAILED <node id> - ` for the test `name`, which must
+    name the installed suite by a path that leads to it from `cwd` (absolute, or relative where
+    pytest's rootdir is not `cwd`, as with `fp8-parity test`)."""
+    line = next(line for line in stdout.splitlines() if line.startswith("FAILED ") and f"::{name} - " in line)
+    path, _, message = line.removeprefix("FAILED ").partition(f"::{name} - ")
+    assert (cwd / path).resolve() == Path(installed_suite(python)).resolve(), line
+    return message
+
+
+def test_a_planted_bug_fails_each_pinned_case_finding_first(scratch_venv, tmp_path):
+    """A failure's first `E ` line and its short summary line are the finding, the rerun command
+    follows; no traceback of the harness, no Case(...) repr. The search is not run once a pinned
+    case has failed (as hypothesis stops at a failing @example). The summary names the implementation."""
+    done = scratch_pytest(scratch_venv, tmp_path, "--fp8-impl", SCALE_NOT_INVERTED, "--fp8-device", "cpu", "-rfs",
+                          "-k", "parity_with_reference and (tiny- or generated)")
+    output = done.stdout[-6000:] + done.stderr[-2000:]
+    assert done.returncode == 1, output
+    failure = failure_of(done.stdout, node_name(TINY))
+    assert failure[0].startswith(f"E   {FINDING}"), failure[:3]
+    assert failure[1] == "E   Rerun exactly this case:" and f"::{node_name(TINY)}' " in failure[2], failure[:3]
+    assert f"--fp8-case '{TINY}'" in failure[2] and "test_properties.py:" in failure[-2], failure[-3:]
+    assert failure[-2].endswith(": PropertyFailure"), failure[-3:]  # the test's line, not parity/suite.py's
+    assert summary_line(done.stdout, node_name(TINY), tmp_path, scratch_venv) == failure[0][4:], output
+    assert "Case(" not in done.stdout and "parity/suite.py" not in done.stdout, output
+    assert f"not searched: the pinned case {TINY} already fails" in done.stdout, output
+    summary = f"fp8-parity: {SCALE_NOT_INVERTED} failed 1 of 1 property tests against torchao:tensorwise on cpu"
+    assert f"{summary} (1 skipped)\n" in done.stdout, output
+
+
+def test_a_case_hypothesis_runs_fails_without_its_repr_through_fp8_parity_test(scratch_venv, tmp_path):
+    """`fp8-parity test --case ID`: the search held to one case, its test named by that case;
+    hypothesis's "Falsifying example: ...(case=Case(lead=(16,), K=16, ...))" is not shown."""
+    case = "M16K16N16|in:bf16:C|w:bf16:C|go:C|normal|seed0"
+    done = subprocess.run([scratch_venv, "-m", "parity", "test", "--impl", SCALE_NOT_INVERTED, "--device", "cpu",
+                           "--case", case, "--", "-rf", "-k", "parity_with_reference"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=scratch_env())
+    output = done.stdout[-6000:] + done.stderr[-2000:]
+    assert done.returncode == 1, output
+    failure = failure_of(done.stdout, node_name(case))
+    assert failure[0].startswith(f"E   {FINDING}") and f"E   case: {case}" in failure, failure[:6]
+    assert summary_line(done.stdout, node_name(case), tmp_path, scratch_venv) == failure[0][4:], output
+    assert "Case(" not in done.stdout and "Falsifying" not in done.stdout, output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("bug_planted", "exit_code"), [(True, 1), (False, 0)], ids=["planted-bug", "no-bug"])
 def test_a_scratch_repository_that_pip_installs_this_one_fails_a_planted_bug(scratch_venv, tmp_path, bug_planted,
@@ -178,11 +285,12 @@ def test_a_scratch_repository_that_pip_installs_this_one_fails_a_planted_bug(scr
                           capture_output=True, text=True, timeout=600, env=scratch_env())
     output = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == exit_code, output
-    if bug_planted:
-        assert "FAILED ::test_parity_with_reference - " in done.stdout and "1 failed, 1 passed" in done.stdout, output
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED ")]
+    if bug_planted:  # some pinned cases of parity fail (where the largest magnitude is negative); contracts hold
+        suite = installed_suite(scratch_venv)  # parity's installed suite ran, not this checkout's property_tests
+        assert failed and all(line.startswith(f"FAILED {suite}::test_parity_with_reference[scratch_module.py:"
+                                              f"Float8Linear-") for line in failed), output
         assert "is not at parity with torchao:tensorwise" in done.stdout, output
-        rerun = f"python -m pytest {scratch_venv.parents[1]}/lib/"  # the installed suite ran, not this checkout's
-        installed_suite = "/site-packages/parity/property_suite/test_properties.py::"  # parity's, not property_tests
-        assert rerun in done.stdout and installed_suite in done.stdout, output
+        assert f"python -m pytest '{suite}::test_parity_with_reference[" in done.stdout, output  # the rerun line
     else:
-        assert "2 passed" in done.stdout, output
+        assert not failed and f"{2 * (len(edge_cases()) + 1)} passed" in done.stdout, output

@@ -14,29 +14,38 @@ torchao:tensorwise) as the reference where one is needed:
  8 nn.Linear's contract and the H100 _scaled_mm contract
  9 torch.compile (GPU): see test_compile.py          10 clear errors for bad input
 
-A failure prints the case id, an assert_close-style table and the command that reruns it.
+Each case a test pins is a test of its own, `[generated]` the hypothesis search over the rest; every
+id opens with the implementation (parity.property_items):
+
+    test_parity_with_reference[mutants.py:scale_not_inverted-M32K64N48-in:bf16:C-w:bf16:C-go:C-tiny-seed0]
+
+A failure's first line is the finding, then the command that reruns it, the case id and the
+assert_close-style tables.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, example, given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from parity.cases import Case, Dist, Layout, edge_cases
 from parity.check import CheckPlan
 from parity.impls import load_impl
+from parity.property_items import PROPERTY_TEST, pinned
 from parity.relations import RELATIONS, check_layout_invariance, check_relation_named, check_weight_update
 from parity.runner import execute
 from parity.strategies import layouts
 from parity.suite import SUITE
 
+pytestmark = PROPERTY_TEST  # ids name the implementation and the case; pinned cases are tests of their own
+
 
 def with_edge_cases(test):
-    """@example for every pinned edge case: zeros, amax at the fp8 max, an outlier, 3-D input, K == N, ..."""
-    for case in edge_cases():
-        test = example(case=case)(test)
+    """A pinned test for every edge case: zeros, amax at the fp8 max, an outlier, 3-D input, K == N, ..."""
+    for case in reversed(edge_cases()):  # pinned keeps the order decorators are written in: edge_cases' order
+        test = pinned(case=case)(test)
     return test
 
 
@@ -71,8 +80,8 @@ def test_accuracy_against_float64_and_exact_emulation(case):
 # ---- 3. layout invariance -----------------------------------------------------------------------------------
 
 @given(case=any_case(layouts_allowed=("C",)), stored=st.tuples(layouts(), layouts(), layouts()))
-@example(case=Case(lead=(32,), K=64, N=48), stored=(Layout.TRANSPOSED, Layout.CONTIGUOUS, Layout.CONTIGUOUS))
-@example(case=Case(lead=(2, 16), K=64, N=48), stored=(Layout.TRANSPOSED, Layout.TRANSPOSED, Layout.SLICED))
+@pinned(case=Case(lead=(32,), K=64, N=48), stored=(Layout.TRANSPOSED, Layout.CONTIGUOUS, Layout.CONTIGUOUS))
+@pinned(case=Case(lead=(2, 16), K=64, N=48), stored=(Layout.TRANSPOSED, Layout.TRANSPOSED, Layout.SLICED))
 def test_layout_invariance(case, stored):
     result = check_layout_invariance(SUITE.candidate, SUITE.data(case), stored)
     if not result.holds:
@@ -87,8 +96,8 @@ EQUIVARIANCES = [r for r in RELATIONS if r.name != "determinism"]
 
 @pytest.mark.parametrize("relation", EQUIVARIANCES, ids=lambda r: r.name)
 @given(case=any_case())
-@example(case=Case(lead=(32,), K=64, N=48, dist=Dist.NEGATIVE))
-@example(case=Case(lead=(2, 16), K=48, N=48, bias=True))
+@pinned(case=Case(lead=(32,), K=64, N=48, dist=Dist.NEGATIVE))
+@pinned(case=Case(lead=(2, 16), K=48, N=48, bias=True))
 def test_equivariance(relation, case):
     assume(relation.applies(case))
     result = SUITE.call(case, check_relation_named, relation.name, SUITE.candidate, SUITE.data(case))
@@ -116,8 +125,8 @@ def test_zeros_give_zeros(case):
 
 
 @given(case=any_case(dists=(Dist.NEAR_MAX, Dist.HEAVY, Dist.OUTLIER)), magnitude=st.sampled_from([1.0, 1e3, 1e5]))
-@example(case=Case(lead=(16,), K=32, N=16, input_dtype="fp32", weight_dtype="fp32", dist=Dist.NEAR_MAX),
-         magnitude=1e5)
+@pinned(case=Case(lead=(16,), K=32, N=16, input_dtype="fp32", weight_dtype="fp32", dist=Dist.NEAR_MAX),
+        magnitude=1e5)
 def test_large_values_saturate_never_nan(case, magnitude):
     """Values at and beyond the fp8 max: the scale brings them into range, nothing becomes NaN;
     infinities only where the output dtype itself overflows (fp16's max is 65504)."""
@@ -148,7 +157,7 @@ def test_determinism(case):
 
 
 @given(case=any_case(max_steps=3).filter(lambda c: c.steps >= 2))
-@example(case=Case(lead=(32,), K=64, N=48, steps=2))
+@pinned(case=Case(lead=(32,), K=64, N=48, steps=2))
 def test_results_follow_in_place_weight_update(case):
     result = SUITE.call(case, check_weight_update, SUITE.candidate, SUITE.data(case))
     if not result.holds:
@@ -179,7 +188,7 @@ FP8_IMPL_FAMILY = ("fp8_impl", "fp8_impl:Float8Linear", "fp8_impl:convert_to_flo
     ((20, 32), torch.bfloat16, ValueError, "M = 20 is not divisible by 16"),
     ((16, 32), torch.float64, TypeError, "dtype torch.float64 is not supported"),
     ((32,), torch.bfloat16, ValueError, "at least 2 dims"),
-])
+], ids=["M20", "float64", "1d"])
 def test_bad_input_raises_a_clear_error(shape, dtype, error, match):
     if SUITE.impl_spec not in FP8_IMPL_FAMILY:
         pytest.skip("the error messages are fp8_impl's (the foundation issue's contract)")
