@@ -22,10 +22,11 @@ the elements equal; the exactness probe of ../shared/DESIGN.md). This module com
                     says how, per kind of B scales), then rounded
 
 Measured on the H200 (torch 2.11, CUDA 13, mmaemu 0.1.0) by `fp8-parity calibrate` on 2026-12-02
-(parity/calibration/nvidia-h200.csv, 536 configurations): bit for bit on 380 of 384 TensorWise, 96 of
-96 RowWise and 54 of 56 BlockWise configurations. All six that differ are 256x8192x256: TensorWise
-with fast accumulation (72-76% of the elements equal in bf16, 1% in fp32: a split-K that mmaemu's
-H100 table puts at 2 and the H200 does otherwise) and BlockWise (99.98%). mmaemu raises
+(parity/calibration/nvidia-h200.csv, 728 configurations): bit for bit on 570 of 576 TensorWise (bf16, fp16
+and fp32 out), 96 of 96 RowWise and 54 of 56 BlockWise configurations. All eight that differ are
+256x8192x256: TensorWise with fast accumulation (72-76% of the elements equal in bf16, 23-27% in fp16,
+1% in fp32: a split-K that mmaemu's H100 table puts at 2 and the H200 does otherwise) and BlockWise
+(99.98%). mmaemu raises
 SplitKUnknownError for shapes outside its table (K < 1024, among others): those run as one split
 (S = 1), which reproduced the H200 on every such configuration; `Modelled.split_known` says which.
 Where the model may be trusted on a given GPU is parity.calibration's to say, from that table.

@@ -77,7 +77,8 @@ def diff_results(a: pd.DataFrame, b: pd.DataFrame, *, sqnr_tolerance_db: float =
     diff = pd.concat([f.astype({"a_value": object, "b_value": object}) for f in found], ignore_index=True)
     diff = (diff.assign(change=pd.Categorical(diff["change"], categories=CHANGES))
             .sort_values(["change", *KEY], ignore_index=True))
-    diff.attrs.update(rows_compared=len(both), rows_identical=_identical(both), sqnr_tolerance_db=sqnr_tolerance_db, rows_a=len(a), rows_b=len(b),
+    diff.attrs.update(rows_compared=len(both), rows_identical=_identical(both), sqnr_tolerance_db=sqnr_tolerance_db,
+                      rows_a=len(a), rows_b=len(b),
                       cases_a=a_cases, cases_b=b_cases)
     return diff
 
