@@ -217,3 +217,15 @@ def test_a_call_the_kernel_rejects_raises_and_is_recorded_as_rejected():
         torch._scaled_mm(a, b, scale_a=scale_a.flatten().clone().reshape(M, 1), scale_b=scale_b,
                          out_dtype=torch.bfloat16)
     assert [call.raised for call in recorder.calls] == [False]
+
+
+def test_the_stride_of_a_dimension_of_size_one_is_not_compared():
+    """A false alarm on correct code (issue 29): a [1, 16, 16] grad_input with strides (16, 1, 16) where
+    nn.Linear gave (256, 1, 16) is the same layout; a real difference in a longer dimension still shows."""
+    import torch
+
+    from parity.contract import Breach, TensorContract, contract_problems
+    want = TensorContract(torch.bfloat16, (1, 16, 16), (256, 1, 16))
+    assert contract_problems(TensorContract(torch.bfloat16, (1, 16, 16), (16, 1, 16)), want, "grad_input") == []
+    moved = contract_problems(TensorContract(torch.bfloat16, (1, 16, 16), (256, 16, 1)), want, "grad_input")
+    assert [problem.breach for problem in moved] == [Breach.STRIDES]
