@@ -6,7 +6,6 @@ and localize one (or, with --git, find the first bad commit).
 
 from __future__ import annotations
 
-import gzip
 import json
 
 from parity import cmd_inputs
@@ -19,6 +18,7 @@ from parity.impls import load_impl
 from parity.outputs import atomic_write_bytes, atomic_write_text
 from parity.rows import frame as rows_frame
 from parity.progress import Progress
+from parity.results_file import encoded
 
 EXIT_OF_VERDICT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "error": EXIT_CANNOT_RUN}
 
@@ -44,8 +44,7 @@ def cmd_check(args) -> int:
     if args.json:
         atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
     if args.results and result.rows:
-        frame = rows_frame(result.rows)
-        atomic_write_bytes(args.results, gzip.compress(frame.to_csv(index=False).encode(), mtime=0))
+        atomic_write_bytes(args.results, encoded(rows_frame(result.rows)))
     return EXIT_OF_VERDICT[result.verdict]
 
 

@@ -35,7 +35,6 @@ parity.report_diff (diff); the names above are importable from here.
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ from parity.report_summary import summarize
 from parity.policy import ACCURACY_REFERENCE
 from parity.report_tables import TABLE_HEADINGS, section_note, summary_tables
 from parity.report_verdict import Verdict, verdict
-from parity.results_file import (ADDED_LATER, ENV_FILE, KEY, REQUIRED_COLUMNS, RESULTS_FILE, ResultsError,
+from parity.results_file import (encoded, ADDED_LATER, ENV_FILE, KEY, REQUIRED_COLUMNS, RESULTS_FILE, ResultsError,
                                  read_results, validated)
 
 __all__ = ["ACCURACY_REFERENCE", "ADDED_LATER", "CHANGES", "ENV_FILE", "KEY", "REQUIRED_COLUMNS", "RESULTS_FILE",
@@ -152,7 +151,7 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, **options) -> list[Pa
              out / "index.html": html_page(o.title, summary, env, sections, list(images), sizes)}
     written = []
     if o.write_table:
-        data = {out / RESULTS_FILE: gzip.compress(frame.to_csv(index=False).encode(), mtime=0),
+        data = {out / RESULTS_FILE: encoded(frame),
                 out / ENV_FILE: (json.dumps(env, indent=2, default=str) + "\n").encode()}
         for page in pages:
             page.unlink(missing_ok=True)  # it describes the table about to be replaced

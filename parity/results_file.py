@@ -69,6 +69,12 @@ def not_a_sweep(columns) -> str | None:
 
 
 
+def encoded(frame: pd.DataFrame) -> bytes:
+    """A results table as its file holds it (results.csv.gz): CSV, gzipped without a timestamp, so the same
+    rows give the same bytes (read_results reads it back)."""
+    return gzip.compress(frame.to_csv(index=False).encode(), mtime=0)
+
+
 def read_results(path: str | Path) -> pd.DataFrame:
     """The results table from a report directory, or a .csv / .csv.gz / .parquet file (parquet
     needs pyarrow), with attrs["env"] from the env.json beside it. Text stays text (case ids,

@@ -4,13 +4,13 @@ that produced them, kept in the report directory where `fp8-parity report` and `
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 from parity.exits import UsageError
 from parity.outputs import atomic_write_bytes, atomic_write_text
 from parity.report import read_results
+from parity.results_file import encoded
 
 PARTIAL_TABLE, PARTIAL_INFO = "partial.csv.gz", "partial.json"
 
@@ -23,7 +23,7 @@ def sweep_arguments(args, impl_names: list[str]) -> dict:
 
 def save_partial(frame, out: Path, arguments: dict, reason: str) -> None:
     """The rows of the cases done so far, where `report` and `sweep --resume` read them."""
-    atomic_write_bytes(out / PARTIAL_TABLE, gzip.compress(frame.to_csv(index=False).encode(), mtime=0))
+    atomic_write_bytes(out / PARTIAL_TABLE, encoded(frame))
     atomic_write_text(out / PARTIAL_INFO, json.dumps(dict(arguments=arguments, done=frame.attrs["done"],
                                                           planned=frame.attrs["planned"], reason=reason,
                                                           env=frame.attrs.get("env", {})), indent=2, default=str))
