@@ -83,8 +83,8 @@ def _git(*args: str) -> str:
 def frozen_from_git() -> tuple[dict[str, str], dict[str, str]]:
     """path -> sha256 of every file of every set at the commit that first added the set, and set -> that commit."""
     digests, commits = {}, {}
-    for name, folder in sets.OLD_FOLDER.items():
-        old = f"property_tests/{folder}"
+    for name in sets.SETS:
+        old = f"property_tests/{sets.OLD_FOLDER[name]}" if name in sets.OLD_FOLDER else f"evals/heldout/{name}"
         commit = _git("log", "--reverse", "--format=%H", "--", old).split()[0]
         commits[name] = commit
         for line in _git("ls-tree", "-r", commit, "--", f"{old}/").splitlines():

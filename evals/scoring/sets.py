@@ -14,11 +14,16 @@ import re
 from pathlib import Path
 
 HELDOUT = Path(__file__).resolve().parents[1] / "heldout"
-SET_COUNT = 15
+SET_COUNT = 17
 SETS = [f"set{number:02d}" for number in range(1, SET_COUNT + 1)]
-OLD_FOLDER = {name: "heldout" if number == 1 else f"heldout{number}" for number, name in enumerate(SETS, start=1)}
+# Sets 1-15 were written as property_tests/heldout*/; sets 16 (MXFP8) and 17 (NVFP4) were written in place, as
+# evals/heldout/setNN/, and their manifests name their files so.
+WRITTEN_IN_PLACE = ("set16", "set17")
+OLD_FOLDER = {name: "heldout" if number == 1 else f"heldout{number}" for number, name in enumerate(SETS, start=1)
+              if name not in WRITTEN_IN_PLACE}
 _OLD_TO_NEW = {old: new for new, old in OLD_FOLDER.items()}
 _OLD_IMPL = re.compile(r"^property_tests/(heldout\d*)/(.+)$")
+_NEW_IMPL = re.compile(r"^evals/heldout/(set\d\d)/(.+)$")
 
 
 class SetError(ValueError):
@@ -27,11 +32,11 @@ class SetError(ValueError):
 
 def set_name(name: str) -> str:
     """The setNN name of a set given as setNN, its old folder name (heldout, heldout2, ...) or a bare number."""
-    if name in OLD_FOLDER:
+    if name in SETS:
         return name
     if name in _OLD_TO_NEW:
         return _OLD_TO_NEW[name]
-    if name.isdigit() and f"set{int(name):02d}" in OLD_FOLDER:
+    if name.isdigit() and f"set{int(name):02d}" in SETS:
         return f"set{int(name):02d}"
     raise SetError(f"no held-out set named {name!r}: the sets are set01 .. set{SET_COUNT:02d} (or their old "
                    f"names heldout, heldout2 .. heldout{SET_COUNT}), e.g. set15")
@@ -49,6 +54,9 @@ def manifest(name: str) -> list[dict]:
 
 def impl_path(impl: str) -> str:
     """A manifest's `property_tests/heldoutN/FILE:ATTR` as the absolute `evals/heldout/setNN/FILE:ATTR`."""
+    in_place = _NEW_IMPL.match(impl)
+    if in_place is not None and in_place.group(1) in SETS:
+        return str(set_dir(in_place.group(1)) / in_place.group(2))
     matched = _OLD_IMPL.match(impl)
     if matched is None or matched.group(1) not in _OLD_TO_NEW:
         raise SetError(f"implementation {impl!r} is not in a held-out set: a manifest names its files "
