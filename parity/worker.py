@@ -186,7 +186,7 @@ def _match_parent(settings: dict) -> None:
             os.environ[name] = value
 
 
-INHERITED_ENVIRON = ("FP8_PARITY_CPU_SCALED_MM",)
+INHERITED_ENVIRON = ("FP8_PARITY_CPU_SCALED_MM", "FP8_PARITY_CPU_REJECT")
 
 
 def _parent_settings() -> dict:
