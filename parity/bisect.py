@@ -47,10 +47,10 @@ from parity.impls import builtin_for_recipe, load_impl, recipe_flag, with_recipr
 from parity.localization import CrashNote, Localization, Outcome, gemm_order, is_gpu_lint
 from parity.mistakes import RECIPROCAL_SCALES_HYPOTHESIS
 from parity.recipes import GEMMS
-from parity.runner import isolation, run_case_isolated
+from parity.runner import executing_in, isolation, run_case_isolated
 from parity.triggers import flip_conditions, more_distributions, more_dtypes, one_condition_more
 from parity.vocabulary import BugClass, Condition, Kind, Operand, Verdict
-from parity.worker import Died, Worker, WorkerError, default_time_limit
+from parity.worker import Worker, WorkerError, default_time_limit
 
 __all__ = ["Localization", "localize", "render"]
 
@@ -229,22 +229,20 @@ def _case_to_diagnose(result: Localization, search: _Search, case: Case, base: O
 
 def _run_diagnosis(result: Localization, search: _Search, case: Case, outcome: Outcome,
                    diagnosis_runner: Worker | None) -> Localization:
-    """_diagnose, in the worker (four times a case's time limit) when there is one: the localization
-    with the diagnosis added, or with what stopped it."""
+    """_diagnose, here, with every run of the code under test in `diagnosis_runner` when there is one (each
+    within a case's time limit): the localization with the diagnosis added, or with what stopped it."""
     plan, device = search.plan, search.device
     try:
         if search.runner is None:
             _diagnose(result, plan, case, outcome, device)
         else:
-            limit = 4 * (search.time_limit or default_time_limit(case.M, case.K, case.N, torch.device(device).type))
+            limit = search.time_limit or default_time_limit(case.M, case.K, case.N, torch.device(device).type)
             try:
-                diagnosed = diagnosis_runner.call(_diagnosed, result, plan, case, outcome, device, time_limit=limit)
+                with executing_in(diagnosis_runner, limit):
+                    _diagnose(result, plan, case, outcome, device)
             finally:
                 if diagnosis_runner is not search.runner:
                     diagnosis_runner.close()
-            if isinstance(diagnosed, Died):
-                raise RuntimeError(diagnosed.message)
-            result = diagnosed
     except (Exception, WorkerError) as err:  # noqa: BLE001 - whatever the implementation did, the localization reports
         result.evidence.append(f"the diagnosis could not finish: {type(err).__name__}: {err}")
         result.gemm = result.gemm or sorted({v.tensor for v in outcome.violations if v.tensor in GEMMS},
@@ -264,12 +262,6 @@ def _gpu_triggers(result: Localization, search: _Search, case: Case, base: Outco
         # rules) or the recorded call's flag shows it there: the numbers differ only on the GPU
         linted = any(v.kind is Kind.SCALED_MM_CONTRACT for v in on_cpu.violations)
         result.triggers.append(Trigger(Condition.GPU_LINTED if linted else Condition.GPU_FAST_ACCUM))
-
-
-def _diagnosed(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> Localization:
-    """_diagnose in a worker process: the localization comes back with the diagnosis added."""
-    _diagnose(result, plan, case, outcome, device)
-    return result
 
 
 # The diagnosis runs hundreds of small float64 GEMMs and reductions on the host, where torch's

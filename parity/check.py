@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from hypothesis import HealthCheck, Phase, find
 from hypothesis import settings as hypothesis_settings
-from hypothesis.errors import NoSuchExample
+from hypothesis.errors import Flaky, NoSuchExample
 
 from parity.cases import Case, edge_cases, shrink
 from parity.env import environment
@@ -167,6 +167,7 @@ class _Check:
         self.outcomes: dict[str, tuple[list[Row], list[Violation], list[str]]] = {}
         self.ran: list[Case] = []
         self.hung_on: Case | None = None  # the case the candidate ran past its time limit on
+        self.first_failure: Case | None = None  # the first case that violated (what a flaky search falls back on)
 
     def rows_of(self, case: Case) -> list[Row]:
         return run_case_isolated(case, self.plan.comparisons, device=self.device, runner=self.runner,
@@ -200,6 +201,8 @@ class _Check:
         _, violations, ref_errors = self.judged(case)
         if self.hung(case):
             self.hung_on = case
+        if (violations or ref_errors) and self.first_failure is None:
+            self.first_failure = case
         return bool(violations or ref_errors)
 
     def hung(self, case: Case) -> bool:
@@ -267,6 +270,10 @@ class _Check:
             minimal = find(strategy, self.violates, settings=search_settings, random=random.Random(settings.seed))
         except NoSuchExample:
             return self.repeated()
+        except Flaky:  # a case failed once and passed when hypothesis replayed it: the failure needs earlier calls
+            if self.first_failure is None:
+                raise
+            return self.conclude(self.first_failure)  # (conclude runs it alone in a fresh worker and says so)
         if self.hung_on is not None:
             return self.conclude(self.hung_on)
         return self.conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps

@@ -384,9 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     # Bound before the try: a Ctrl-C or a failing import while _user_errors loads torch still ends in
     # one line (interrupted; an internal error), as inside a command.
     user_errors: tuple[type[Exception], ...] = (UsageError,)
+    failed_to_load: tuple[type[Exception], ...] = ()
     try:
         user_errors = _user_errors()
+        from parity.impls import ImplDied
+        failed_to_load = (ImplDied,)
         return command(args.command)(args)
+    except failed_to_load as err:  # the code under test died or hung at import, in its worker: a finding
+        print(f"FAIL: {err}")
+        return EXIT_FAIL
     except user_errors as err:
         print(f"{name}: {err}", file=sys.stderr)
         return EXIT_USAGE

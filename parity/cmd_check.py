@@ -31,8 +31,8 @@ def cmd_check(args) -> int:
     cmd_inputs.writable_file(args.results, "--results")
     saved = cmd_inputs.case_file(args.case_file, args.case, device)
     cases = [saved] if saved else cmd_inputs.named_cases(args.case, device) if args.case else None
-    candidate = load_impl(args.impl, form=args.form, recipe=args.recipe)
-    reference = load_impl(args.against) if args.against else None
+    candidate = load_impl(args.impl, form=args.form, recipe=args.recipe, time_limit=args.timeout)
+    reference = load_impl(args.against, time_limit=args.timeout) if args.against else None
     plan = CheckPlan.make(candidate, reference, policy=args.policy, oracle=not args.no_oracle, device=device)
     extra = [*(["--form", args.form] if args.form else []), *(["--recipe", args.recipe] if args.recipe else []),
              *(["--policy", args.policy] if args.policy else [])]
@@ -55,8 +55,8 @@ def cmd_bisect(args) -> int:
         return _bisect_history(args, device)
     case = (cmd_inputs.case_file(args.case_file, args.case, device)
             or (cmd_inputs.named_cases([args.case], device)[0] if args.case else None))
-    plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe),
-                          load_impl(args.against) if args.against else None, device=device)
+    plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe, time_limit=args.timeout),
+                          load_impl(args.against, time_limit=args.timeout) if args.against else None, device=device)
     with Progress(True, "bisect"):
         result = localize(plan, device=device, case=case, max_examples=args.max_examples, time_limit=args.timeout)
     print(render_localized(result), end="")

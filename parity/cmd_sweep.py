@@ -26,7 +26,7 @@ def cmd_sweep(args) -> int:
         raise UsageError("--resume needs --out DIR, the directory of the interrupted sweep")
     out = args.out or cmd_inputs.default_report_dir()
     cmd_inputs.writable_dir(out, "--out")
-    impls = [load_impl(name) for name in impl_names]
+    impls = [load_impl(name, time_limit=args.timeout) for name in impl_names]
     preset = PRESETS[args.preset]
     if args.samples is not None:
         preset = dataclasses.replace(preset, samples=args.samples,

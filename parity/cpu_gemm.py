@@ -16,6 +16,11 @@ The harness runs every implementation of a case under the same kernel, so two im
 that make the same calls stay bitwise equal, and the accumulation bound holds as before. Calls
 it does not handle (block scales, scale_result, a non-fp8 operand, CUDA tensors) go to torch
 unchanged. Set FP8_PARITY_CPU_SCALED_MM=torch to use torch's kernel throughout.
+
+FP8_PARITY_CPU_REJECT=sm90-layout makes the fast kernel reject what SM90's cuBLASLt rejects for its layout (an
+A that is not row-major, a B that is not column-major), raising as the GPU does: a CPU run then crashes where
+an H100 or H200 crashes, which is how the tests exercise bisect's handling of a call the GPU rejected without a
+GPU (workers inherit it: parity.worker.INHERITED_ENVIRON).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ _V2_NAMES = ("a", "b", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b"
 
 MODES = CPU_GEMM_MODES  # fast, hopper, torch (in parity.names: the parser lists them)
 ENV = "FP8_PARITY_CPU_SCALED_MM"
+REJECT_ENV = "FP8_PARITY_CPU_REJECT"  # "sm90-layout": reject as SM90 does (see the module docstring)
 
 
 def mode() -> str:
@@ -69,6 +75,9 @@ def _fast(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, 
         return None
     if rowwise and (scale_a.stride(1) != 1 or scale_b.stride(1) != 1):
         return None  # torch's kernel rejects these scales ("expected scale_a.stride(1) to be 1"): let it say so
+    if os.environ.get(REJECT_ENV) == "sm90-layout" and (a.stride(1) != 1 or b.stride(0) != 1):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED: only multiplication of row-major and column-major matrices "
+                           f"is supported (SM90's layout rule, {REJECT_ENV}=sm90-layout on a CPU)")
     # In the GPU contract's layout whatever strides the call came with: the CPU matmul's summation
     # order follows the operands' memory layout, so two implementations passing the same values with
     # other (valid) strides would differ in the last bit on a CPU and not on a GPU.

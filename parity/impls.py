@@ -38,6 +38,7 @@ from parity.names import FSDP_FLOAT8_ALL_GATHER
 from parity.oracles import emulated_matmul
 from parity.sandbox import ProcessExit, exits_raise
 from parity.recipes import DEFAULT_RECIPE, FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
+from parity.vocabulary import Phase
 
 
 class ImplError(ValueError):
@@ -81,6 +82,9 @@ class Impl:
     bit_model: bool = False  # the Hopper model (hopper:<recipe>): a GPU's bits, judged bit for bit where calibrated
     # why a case cannot run here (beyond the recipe's alignment), or None: cuda-only kernels, dtypes
     limits: Callable[[Any, str], str | None] | None = None
+    # code under test, described here and run in a worker only (parity.runner.execute): the process that judges
+    # it never imports it (its `target` is None there)
+    remote: bool = False
 
     def __reduce__(self):
         """Pickled by name: a worker process rebuilds the implementation (parity.worker)."""
@@ -116,6 +120,9 @@ class Impl:
         """(module, weight parameter, bias parameter) implementing `linear`. `name`: the layer's
         name in its model ("blocks.0.mlp.c_fc"), which a converter sees as the layer's fqn (its
         module filter decides by it); without one, the converter sees the layer as "0"."""
+        if self.remote:
+            raise RuntimeError(f"{self.name} is code under test: it is built only in a worker, never in the process "
+                               f"that judges it")
         if self.form is Form.FUNCTION:
             module = _FunctionLinear(linear, self.target)
         elif self.form is Form.MODULE:
@@ -492,47 +499,137 @@ def _form_said_by(first: inspect.Parameter) -> Form | None:
     return Form.CONVERTER if first.name in MODULE_PARAMETER_NAMES else None
 
 
+IMPL_PATH_ENV = "FP8_PARITY_IMPL_PATH"  # set by `bisect --git` (parity.history): an implementation's checkout
+
+
 def _prefer_impl_path() -> None:
-    """FP8_PARITY_IMPL_PATH (set by `bisect --git`) puts an implementation's checkout first on sys.path."""
-    for path in reversed([p for p in os.environ.get("FP8_PARITY_IMPL_PATH", "").split(os.pathsep) if p]):
+    """FP8_PARITY_IMPL_PATH puts an implementation's checkout first on sys.path: in a worker only, where code under
+    test runs (in the process that judges, a folder of the path could shadow torchao or the harness itself)."""
+    for path in reversed([p for p in os.environ.get(IMPL_PATH_ENV, "").split(os.pathsep) if p]):
         if path not in sys.path:
             sys.path.insert(0, path)
 
 
-def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | Recipe | None = None) -> Impl:
+def is_code_under_test(spec: str) -> bool:
+    """Whether `spec` names code this process must never import: anything but the harness's built-ins, and
+    fp8_impl's built-ins too when FP8_PARITY_IMPL_PATH says they come from another checkout."""
+    if spec not in BUILTINS:
+        return True
+    return spec.split(":")[0] == "fp8_impl" and bool(os.environ.get(IMPL_PATH_ENV))
+
+
+# A module may import torchao, compile kernels or autotune at import: tens of seconds on a busy 2-core machine.
+# One that takes more than this is a finding (a sleep or a spin at import), not a wait without end.
+IMPORT_TIME_LIMIT = 120.0
+
+
+class ImplDied(ImplError):
+    """The implementation's worker died or hung while importing it: a finding about the code under test
+    (parity.cli: FAIL, exit 1), not bad usage."""
+
+
+def describe_here(spec: str, form: str | None, recipe: str | None) -> dict:
+    """In a worker: the implementation imported and recognized, as plain data (its form), or why it cannot be."""
+    from parity.worker import report_phase
+    report_phase(spec, Phase.IMPORT.value)
+    try:
+        impl = load_impl(spec, form=form, recipe=recipe)
+    except ImplError as err:
+        return dict(error=str(err))
+    return dict(form=impl.form.value)
+
+
+def _described(spec: str, form: Form | str | None, recipe: Recipe | None, time_limit: float | None) -> Impl:
+    """The code under test named `spec`, imported and recognized in a fresh worker (parity.worker), described
+    here: its name, form and recipe, no code of it."""
+    from parity import worker  # (multiprocessing: loaded when code under test is first described)
+    with worker.Worker("cpu") as probe:
+        described = probe.call(describe_here, spec, None if form is None else Form(form).value,
+                               None if recipe is None else recipe.name,
+                               time_limit=time_limit or IMPORT_TIME_LIMIT)
+    if isinstance(described, worker.Died):
+        raise ImplDied(f"{spec}: {described.message.replace(' during importing', ' while importing')}")
+    if not isinstance(described, dict) or not isinstance(described.get("error", described.get("form")), str):
+        raise ImplDied(f"{spec}: its worker sent back no description ({type(described).__name__}): the code under "
+                       f"test tampered with the worker")
+    if "error" in described:
+        raise ImplError(described["error"])
+    try:
+        found = Form(described["form"])
+    except ValueError:
+        raise ImplDied(f"{spec}: its worker named no form ({described['form']!r})") from None
+    return Impl(spec, found, None, recipe=recipe or DEFAULT_RECIPE, remote=True)
+
+
+def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | Recipe | None = None,
+              time_limit: float | None = None) -> Impl:
     """The implementation named by `spec` (a built-in, `module:attr` or `file.py:attr`).
 
     `recipe` (a name of parity.recipes) is what your code claims to implement; for a built-in
     family ("fp8_impl", "emulated") it picks that family's implementation of the recipe, and a
-    built-in that implements another recipe is an error."""
-    _prefer_impl_path()
+    built-in that implements another recipe is an error.
+
+    Code under test (is_code_under_test) is imported in a worker only, within `time_limit` seconds
+    (default IMPORT_TIME_LIMIT): here it is a description (Impl.remote) that parity.runner.execute sends to
+    a worker. ImplDied when that worker dies or hangs at the import."""
+    from parity.worker import in_worker  # (torch-free; multiprocessing only when first used)
     spec = spec.strip()
     wanted = None if recipe is None else get_recipe(recipe)
     family = spec.split(":")[0]
     if wanted is not None and spec in ("fp8_impl", "emulated"):
         spec = builtin_for_recipe(family, wanted) or spec
     if spec in BUILTINS:
-        impl = BUILTINS[spec]()
-        if wanted is not None and impl.recipe is not wanted:
-            raise ImplError(f"{spec} implements the {impl.recipe.name} recipe, not {wanted.name}: drop --recipe, or "
-                            f"name {builtin_for_recipe(family, wanted) or 'an implementation of ' + wanted.name}")
-    else:
+        builtin_recipe = _builtin_recipe(spec)
+        if wanted is not None and builtin_recipe is not wanted:
+            raise ImplError(f"{spec} implements the {builtin_recipe.name} recipe, not {wanted.name}: drop --recipe, "
+                            f"or name {builtin_for_recipe(family, wanted) or 'an implementation of ' + wanted.name}")
+    elif ":" not in spec:
         close = difflib.get_close_matches(spec, list(BUILTINS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        if ":" not in spec:
-            raise ImplError(
-                f"unknown implementation {spec!r}: {hint}name a built-in ({', '.join(BUILTINS)}) or "
-                f"'package.module:attr' or 'path/to/file.py:attr'")
-        module_spec, _, attr = spec.rpartition(":")
-        try:
-            target = import_target(module_spec, attr)
-        except ImplError as err:
-            if close:  # torchao:tensorwize is more likely a typo of a built-in than an attribute
-                raise ImplError(f"unknown implementation {spec!r}: {hint}(it is no built-in, and as "
-                                f"'module:attr' it does not load: {str(err).split(';')[0]})") from None
-            raise
-        impl = Impl(spec, detect_form(target) if form is None else Form(form), target,
-                    recipe=wanted or DEFAULT_RECIPE)
+        raise ImplError(f"unknown implementation {spec!r}: {_did_you_mean(close)}name a built-in "
+                        f"({', '.join(BUILTINS)}) or 'package.module:attr' or 'path/to/file.py:attr'")
+    if in_worker():
+        impl = load_here(spec, form=form, recipe=wanted)
+    elif is_code_under_test(spec):
+        impl = _described(spec, form, wanted or _builtin_recipe(spec), time_limit)
+    else:
+        impl = BUILTINS[spec]()
     if form is not None:
         impl.form = Form(form)
     return impl
+
+
+def load_here(spec: str, *, form: Form | str | None = None, recipe: Recipe | None = None) -> Impl:
+    """The implementation named by `spec` imported in THIS process, as a worker imports it (FP8_PARITY_IMPL_PATH
+    applied): for workers, and for tests of loading itself; never in a process that judges code under test."""
+    _prefer_impl_path()
+    impl = BUILTINS[spec]() if spec in BUILTINS else _imported(spec, form, recipe)
+    if form is not None:
+        impl.form = Form(form)
+    return impl
+
+
+def _builtin_recipe(spec: str) -> Recipe | None:
+    """The recipe a built-in's name says ("fp8_impl": tensorwise; "torchao:rowwise": rowwise), without loading it."""
+    if spec not in BUILTINS:
+        return None
+    _, _, name = spec.partition(":")
+    return RECIPES.get(name) or (DEFAULT_RECIPE if name == "" and spec in ("fp8_impl", "emulated")
+                                 else BUILTINS[spec]().recipe)
+
+
+def _did_you_mean(close: list[str]) -> str:
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _imported(spec: str, form: Form | str | None, wanted: Recipe | None) -> Impl:
+    """Code under test, imported here (a worker)."""
+    module_spec, _, attr = spec.rpartition(":")
+    try:
+        target = import_target(module_spec, attr)
+    except ImplError as err:
+        close = difflib.get_close_matches(spec, list(BUILTINS), n=1)
+        if close:  # torchao:tensorwize is more likely a typo of a built-in than an attribute
+            raise ImplError(f"unknown implementation {spec!r}: {_did_you_mean(close)}(it is no built-in, and as "
+                            f"'module:attr' it does not load: {str(err).split(';')[0]})") from None
+        raise
+    return Impl(spec, detect_form(target) if form is None else Form(form), target, recipe=wanted or DEFAULT_RECIPE)

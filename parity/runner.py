@@ -23,14 +23,14 @@ import pandas as pd
 import torch
 from torch import nn
 
-from parity import cpu_gemm, hopper_oracle, oracles, sandbox, worker
+from parity import cpu_gemm, hopper_oracle, oracles, sandbox, transfer, worker
 from parity.cases import Case
 from parity.contract import (Breach, CallProblem, ContractProblem, ScaledMMCall, ScaledMMRecorder, TensorContract,
                              contract_problems, expected_contract, sm90_problems)
 from parity.data import CaseData, make_data, materialize
 from parity.diagnose import call_findings
 from parity.env import environment
-from parity.impls import BUILTINS, Impl
+from parity.impls import Impl, ImplError, reload_impl
 from parity.metrics import compare
 from parity.policy import Policy, default_policy
 from parity.rows import Raised, Row
@@ -73,8 +73,20 @@ def _raised(err: BaseException, phase: Phase, step: int | None) -> Raised:
     if code or (every and every[-1].filename.startswith(HARNESS)):  # raised by the harness: the user's line or none
         frames = code
     at = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return Raised(phase, step, type(err).__name__, message, at)
+    return Raised(phase, step, type(err).__name__, _first_line(err), at)
+
+
+MESSAGE_CHARS = 500  # an exception's first line, as far as a finding quotes it (a 50 MiB message is not echoed)
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of str(err), at most MESSAGE_CHARS long; what it is when str() itself raises."""
+    try:
+        text = str(err).strip()
+    except BaseException as inner:  # noqa: BLE001 - an exception whose __str__ raises is still a finding
+        return f"<its message could not be read: str() raised {type(inner).__name__}>"
+    line = text.split("\n", 1)[0] if text else ""
+    return line if len(line) <= MESSAGE_CHARS else f"{line[:MESSAGE_CHARS]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -175,7 +187,10 @@ def _side_effects(step_index: int, tensors, versions, before) -> list[ContractPr
 
 def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool = False) -> Execution:
     """Run `impl` forward and backward on every step of `data`; never raises for impl errors.
-    record: record its _scaled_mm calls (keep_data: with their tensors, for parity.diagnose)."""
+    record: record its _scaled_mm calls (keep_data: with their tensors, for parity.diagnose).
+    The code under test (`impl.remote`) runs in the worker of the innermost `executing_in`, never here."""
+    if impl.remote:
+        return _execute_remote(impl, data, record=record, keep_data=keep_data)
     case, result = data.case, Execution(impl)
     start = time.perf_counter()
     recorder = ScaledMMRecorder(case.M, case.K, case.N, keep_data=keep_data) if record else None
@@ -191,17 +206,17 @@ def execute(impl: Impl, data: CaseData, *, record: bool = False, keep_data: bool
         module, weight, bias = impl.build(linear)
         for step_index in range(len(data.steps)):
             run.run_step(step_index, module, weight, bias)
-    except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - an implementation that raises is a finding
+    except KeyboardInterrupt as err:
+        if not worker.in_worker():
+            raise  # the user's Ctrl-C (in a worker SIGINT is ignored: only the code under test raises it)
+        _ended_by(err, run)
+    except BaseException as err:  # noqa: BLE001 - an implementation that raises anything is a finding
         _ended_by(err, run)
         if data.device.type == "cuda" and _cuda_context_lost(data.device):
             # an illegal address or a device-side assert poisons this process's CUDA context: nothing
             # more runs here, so the worker ends and the parent runs the next case on a fresh one
             worker.end_worker(f"raised a CUDA error that leaves the process's CUDA context unusable "
                               f"({result.error.after_where})")
-    except KeyboardInterrupt as err:
-        if not worker.in_worker():
-            raise  # the user's Ctrl-C (in a worker SIGINT is ignored: only the code under test raises it)
-        _ended_by(err, run)
     finally:
         changed = state.changes_since()
         if changed:
@@ -358,56 +373,35 @@ def _exactness(row: Row, data: CaseData, recipe, device_type: str) -> None:
     row.exact, row.exact_why = judged.exact, judged.why
 
 
-def crash_rows(case: Case, comparisons: Sequence[Comparison], error, *, culprit: str,
-               device_type: str) -> list[Row]:
-    """The rows of a case that did not come back (its worker died: `error`, a parity.worker.Died): an
-    error of the implementation that was running (`culprit`), or of the reference when it was the reference."""
-    rows = []
-    for comparison in comparisons:
-        of_reference = comparison.reference.name == culprit and comparison.impl.name != culprit
-        rows += [row.but(skipped=None, error=None if of_reference else error,
-                         reference_error=error if of_reference else None)
-                 for row in skipped_rows(case, comparison, "", device_type=device_type)]
-    return rows
-
-
-def died_rows(case: Case, comparisons: Sequence[Comparison], died: worker.Died, *, device_type: str) -> list[Row]:
-    """The rows of a case whose worker died: the implementation that was running is the one
-    that crashed (a reference that kills the process is a reference error)."""
-    return crash_rows(case, comparisons, died, culprit=died.impl, device_type=device_type)
-
-
 def isolation(comparisons: Sequence[Comparison], device: str, isolate: bool | None = None):
-    """A Worker for the code under test of `comparisons`, or a null context where nothing needs one.
-    isolate=None decides: a worker when any implementation is not a built-in (the harness's own
-    fp8_impl, torchao, emulations and nn.Linear run in this process, which saves a worker's
-    imports: seconds on a laptop)."""
-    if isolate is None:
-        isolate = any(impl.name not in BUILTINS for c in comparisons for impl in (c.impl, c.reference))
-    return worker.Worker(worker.torch_device_type(device)) if isolate else contextlib.nullcontext()
+    """A Worker for the code under test of `comparisons`, or a null context where there is none. Code under
+    test (Impl.remote: anything but the harness's built-ins) runs in a worker whatever `isolate` says;
+    isolate=True gives a worker even to built-ins only (which then still run here: they are the references)."""
+    if isolate or any(impl.remote for c in comparisons for impl in (c.impl, c.reference)):
+        return worker.Worker(worker.torch_device_type(device))
+    return contextlib.nullcontext()
 
 
 def run_case_isolated(case: Case, comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",
                       runner: "worker.Worker | None" = None, time_limit: float | None = None) -> list[Row]:
-    """run_case in a worker process (parity.worker): a death or a hang of the code under test is a
-    finding for this case. Without a worker (`runner` None) it runs in this process."""
+    """run_case, with the code under test in `runner` (parity.worker), each of its executions within
+    `time_limit` seconds (default: one that fits the case): a death or a hang there is a finding of this case.
+    Everything else (the data, the references, every comparison) runs here. Without a worker (`runner`
+    None) there may be no code under test among the comparisons."""
     if runner is None:
         return run_case(case, comparisons, device=device)
     device_type = torch.device(device).type
     limit = time_limit or worker.default_time_limit(case.M, case.K, case.N, device_type)
-    key = runner.remember(f"comparisons-{id(comparisons)}-{len(comparisons)}", list(comparisons))
-    if isinstance(key, worker.Died):  # the implementations could not even be sent (an import that exits)
-        return died_rows(case, comparisons, key, device_type=device_type)
     printed_before = runner.output_bytes()
-    outcome = runner.call(_run_remembered, case, key, str(device), time_limit=limit)
-    if isinstance(outcome, worker.Died):
-        return died_rows(case, comparisons, outcome, device_type=device_type)
+    with executing_in(runner, limit):
+        rows = run_case(case, comparisons, device=device)
     printed = runner.output_bytes() - printed_before
-    if printed > worker.PRINT_LIMIT_BYTES:  # only code under test prints: the built-ins are quiet
-        for row in outcome:
-            if row.impl not in BUILTINS and row.tensor == "output" and row.step == 0 and not row.skipped:
+    if printed > worker.PRINT_LIMIT_BYTES:  # only code under test prints there
+        remote = {impl.name for c in comparisons for impl in (c.impl, c.reference) if impl.remote}
+        for row in rows:
+            if row.impl in remote and row.tensor == "output" and row.step == 0 and not row.skipped:
                 row.contract += (ContractProblem(Breach.PRINTS, got=printed, want=worker.PRINT_LIMIT_BYTES),)
-    return outcome
+    return rows
 
 
 def _unmodelled(executions: dict[str, Execution]) -> dict[str, str]:
@@ -417,11 +411,137 @@ def _unmodelled(executions: dict[str, Execution]) -> dict[str, str]:
     return {name: f"{execution.error.message} here: this case cannot be judged on this CPU (run it without "
                   f"--cpu-gemm hopper, or on a GPU)"
             for name, execution in executions.items()
-            if execution.error is not None and execution.error.type == cpu_gemm.HopperModelNotApplicable.__name__}
+            if isinstance(execution.error, Raised)
+            and execution.error.type == cpu_gemm.HopperModelNotApplicable.__name__}
 
 
-def _run_remembered(case: Case, key: str, device: str) -> list[Row]:
-    return run_case(case, worker.recall(key), device=device)
+# ---- the code under test, in its worker -----------------------------------------------------------------
+#
+# The process that judges never imports the code under test (parity.impls loads it in a worker and keeps a
+# description, Impl.remote). `execute` of such an implementation sends the case's data to the worker of the
+# innermost `executing_in`; the worker builds and runs it there (parity.runner.execute, its side effects and
+# state checks included) and sends back the raw execution as plain data (parity.transfer), which is checked
+# here field by field before anything reads it. The references, the oracles and every comparison run here.
+
+_ROUTE: list[tuple[worker.Worker, float]] = []  # (worker, time limit) of each open executing_in, innermost last
+
+
+@contextlib.contextmanager
+def executing_in(runner: worker.Worker, time_limit: float):
+    """Inside, every execute() of code under test runs in `runner`, each within `time_limit` seconds."""
+    _ROUTE.append((runner, time_limit))
+    try:
+        yield
+    finally:
+        _ROUTE.pop()
+
+
+REPLY_BYTES_PER_ELEMENT = 512  # results, recorded calls with their operands, forward outputs: about 60 bytes
+# per element of the case's three matrices in the worst recipe; eight times that before a reply is refused
+
+
+def _execute_remote(impl: Impl, data: CaseData, *, record: bool, keep_data: bool) -> Execution:
+    if not _ROUTE:
+        raise RuntimeError(f"{impl.name} is code under test: it runs only in a worker (parity.runner.executing_in), "
+                           f"never in the process that judges it")
+    runner, limit = _ROUTE[-1]
+    case = data.case
+    elements = (case.M * case.K + case.N * case.K + case.M * case.N) * case.steps
+    outcome = runner.call(_execute_here, impl.reload_args, CaseData(case, data.steps, data.bias), record, keep_data,
+                          time_limit=limit, reply_limit=(64 << 20) + REPLY_BYTES_PER_ELEMENT * elements)
+    if isinstance(outcome, worker.Died):
+        return Execution(impl, error=outcome)
+    try:
+        return Execution(impl, **_checked_execution(outcome, case))
+    except transfer.TransferError as err:
+        runner.close()  # what else it holds cannot be trusted either
+        return Execution(impl, error=worker.Died(f"sent back an execution the harness does not read ({err}): the "
+                                                 f"code under test tampered with the worker", impl.name, "", ""))
+
+
+_EXECUTION_FIELDS = {"steps": list, "calls": list, "layouts": list, "problems": list, "error": (Raised, type(None)),
+                     "seconds": float, "forward_outputs": list}
+_RESULT_NAMES = {"output", "grad_input", "grad_weight", "grad_bias"}
+
+
+def _checked_execution(fields, case: Case) -> dict:
+    """A worker's execution (parity.transfer's plain data) checked for the types every reader expects."""
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise transfer.TransferError(what)
+    expect(isinstance(fields, dict) and set(fields) == set(_EXECUTION_FIELDS), "not the fields of an execution")
+    for name, kind in _EXECUTION_FIELDS.items():
+        expect(isinstance(fields[name], kind), f"{name} is a {type(fields[name]).__name__}")
+    expect(len(fields["steps"]) <= case.steps and len(fields["layouts"]) == len(fields["steps"]), "steps")
+    for results, layouts in zip(fields["steps"], fields["layouts"]):
+        expect(isinstance(results, dict) and set(results) == _RESULT_NAMES, "a step's results")
+        expect(all(t is None or isinstance(t, torch.Tensor) for t in results.values()), "a result not a tensor")
+        expect(isinstance(layouts, dict) and set(layouts) == _RESULT_NAMES, "a step's layouts")
+        expect(all(t is None or isinstance(t, TensorContract) for t in layouts.values()), "a layout")
+    expect(all(isinstance(call, ScaledMMCall) for call in fields["calls"]), "a recorded call")
+    expect(all(isinstance(problem, ContractProblem) for problem in fields["problems"]), "a contract problem")
+    expect(all(isinstance(t, torch.Tensor) for t in fields["forward_outputs"]), "a forward output")
+    return fields
+
+
+_LOADED: dict[tuple, tuple] = {}  # in a worker: reload_args -> (implementation or the Raised of its import, problems)
+
+
+def _execute_here(reload_args: tuple, data: CaseData, record: bool, keep_data: bool) -> dict:
+    """In the worker: the implementation (imported on first use) executed on `data`, as plain fields."""
+    if reload_args not in _LOADED:
+        _LOADED[reload_args] = _import_here(reload_args)
+    impl, at_import = _LOADED[reload_args]
+    if isinstance(impl, Raised):
+        execution = Execution(None, error=impl)
+    else:
+        execution = execute(impl, data, record=record, keep_data=keep_data)
+    return dict(steps=execution.steps, calls=execution.calls, layouts=execution.layouts,
+                problems=[*at_import, *execution.problems], error=execution.error, seconds=float(execution.seconds),
+                forward_outputs=execution.forward_outputs)
+
+
+def error_of_call(impl: Impl, features: tuple[int, int], shape: tuple, dtype: torch.dtype,
+                  device: str) -> tuple[str, str] | None:
+    """(exception type, first line) of what `impl`'s layer with (in, out) `features` raises on zeros of `shape` and
+    `dtype`, or None when it raises nothing: in the worker of executing_in for code under test."""
+    if not impl.remote:
+        module, _, _ = impl.build(nn.Linear(*features, device=device))
+        try:
+            module(torch.zeros(shape, dtype=dtype, device=device))
+        except Exception as err:  # noqa: BLE001 - what it raised is the answer
+            return type(err).__name__, _first_line(err)
+        return None
+    runner, limit = _ROUTE[-1]
+    outcome = runner.call(_error_of_call_here, impl.reload_args, features, shape, dtype, device, time_limit=limit)
+    if isinstance(outcome, worker.Died):
+        return "Died", outcome.message
+    ok = outcome is None or (isinstance(outcome, tuple) and len(outcome) == 2
+                             and all(isinstance(part, str) for part in outcome))
+    return outcome if ok else ("Died", f"the worker sent back {type(outcome).__name__}, not an answer")
+
+
+def _error_of_call_here(reload_args: tuple, features, shape, dtype, device):
+    if reload_args not in _LOADED:
+        _LOADED[reload_args] = _import_here(reload_args)
+    impl = _LOADED[reload_args][0]
+    if isinstance(impl, Raised):
+        return impl.type, impl.message
+    return error_of_call(impl, features, shape, dtype, device)
+
+
+def _import_here(reload_args: tuple) -> tuple:
+    """The implementation loaded in this worker, and what its import changed of the process's global state
+    (taken before the import: a module that patches F.linear or sets the default dtype at import is found, and
+    undone, before any case runs)."""
+    worker.report_phase(reload_args[0], Phase.IMPORT.value)
+    state = sandbox.GlobalState.capture()
+    try:
+        impl = reload_impl(*reload_args)
+    except ImplError as err:
+        impl = Raised(Phase.IMPORT, None, "ImplError", _first_line(err))
+    changed = state.changes_since()
+    return impl, [ContractProblem(Breach.GLOBAL_STATE, detail="at import: " + "; ".join(changed))] if changed else []
 
 
 def run_case(case: Case, comparisons: Sequence[Comparison], *, device: str | torch.device = "cpu",

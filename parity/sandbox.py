@@ -57,7 +57,24 @@ BACKEND_FLAGS = [("TF32 matmuls", torch.backends.cuda.matmul, "allow_tf32"),
 
 
 def _flushes_denormals() -> bool:
-    return bool(torch.tensor([1e-40]).mul(1.0).eq(0).item())
+    # on the CPU whatever the default device is (an implementation may set it to "meta")
+    return bool(torch.tensor([1e-40], device="cpu").mul(1.0).eq(0).item())
+
+
+def _default_device() -> str:
+    try:
+        return str(torch.get_default_device())
+    except Exception:  # noqa: BLE001 - a setting left unreadable counts as changed
+        return "unreadable"
+
+
+def _restore_default_device(device: str) -> None:
+    with contextlib.suppress(Exception):
+        torch.set_default_device(None if device == "cpu" else device)
+
+
+def _determinism() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 def _matmul_precision() -> str:
@@ -81,6 +98,12 @@ class GlobalState:
     saved_tensors_hooks: object
     seed: int  # what the global CPU generator was last seeded with (drawing from it does not change this)
     rng_state: torch.Tensor
+    # torch's host threads, deterministic algorithms (and warn-only), anomaly detection, the default device:
+    # each changes what later code computes or how fast (issue 29: each passed unnoticed)
+    threads: int = 0
+    determinism: tuple = (False, False)
+    anomaly: bool = False
+    default_device: str = "cpu"
 
     @classmethod
     def capture(cls) -> "GlobalState":
@@ -89,11 +112,25 @@ class GlobalState:
                    {(owner, name): owner.__dict__.get(name, getattr(owner, name)) for owner, name in PATCHABLE},
                    {name: dict(getattr(nn_module, name)) for name in MODULE_HOOKS},
                    torch._C._autograd._top_saved_tensors_default_hooks(False),
-                   torch.initial_seed(), torch.get_rng_state())
+                   torch.initial_seed(), torch.get_rng_state(), torch.get_num_threads(), _determinism(),
+                   torch.is_anomaly_enabled(), _default_device())
 
     def changes_since(self) -> list[str]:
         """What differs from this snapshot now, each restored; [] when nothing changed."""
         changed = []
+        if _default_device() != self.default_device:
+            changed.append(f"default device {self.default_device} -> {_default_device()}")
+            _restore_default_device(self.default_device)
+        if torch.get_num_threads() != self.threads:
+            changed.append(f"torch's host threads {self.threads} -> {torch.get_num_threads()}")
+            torch.set_num_threads(self.threads)
+        if _determinism() != self.determinism:
+            changed.append(f"deterministic algorithms (enabled, warn only) {self.determinism} -> {_determinism()}")
+            torch.use_deterministic_algorithms(self.determinism[0], warn_only=self.determinism[1])
+        if torch.is_anomaly_enabled() != self.anomaly:
+            changed.append(f"anomaly detection {'on' if self.anomaly else 'off'} -> "
+                           f"{'on' if torch.is_anomaly_enabled() else 'off'}")
+            torch.autograd.set_detect_anomaly(self.anomaly)
         if torch.get_default_dtype() != self.default_dtype:
             changed.append(f"default dtype {self.default_dtype} -> {torch.get_default_dtype()}")
             torch.set_default_dtype(self.default_dtype)

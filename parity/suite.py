@@ -28,9 +28,9 @@ from parity.data import CaseData, make_data
 from parity.impls import Impl, ImplError, default_reference, load_impl
 from parity.policy import Violation
 from parity.rows import Row
-from parity.runner import isolation, run_case_isolated
+from parity.runner import executing_in, isolation, run_case_isolated
 from parity.strategies import cases as case_strategy
-from parity.worker import Died, default_time_limit, torch_device_type
+from parity.worker import default_time_limit, torch_device_type
 
 # Largest K, N and M the strategies draw, per hypothesis profile (the GPU affords larger shapes).
 MAX_DIM = {"dev": 128, "ci": 128, "gpu": 1024, "thorough": 512}
@@ -124,14 +124,12 @@ class Suite:
         return rows, plan.judge(rows)
 
     def call(self, case: Case, fn, *args):
-        """fn(*args), in the worker process when there is one; a death or a hang fails the test."""
+        """fn(*args) here, with every execution of the candidate (parity.runner.execute) in the worker when it is
+        code under test, each within the case's time limit: a death or a hang is that execution's error."""
         if self.runner is None:
             return fn(*args)
-        outcome = self.runner.call(fn, *args, time_limit=default_time_limit(
-            case.M, case.K, case.N, torch_device_type(self.device)))
-        if isinstance(outcome, Died):
-            self.fail("the implementation did not come back", case, [outcome.message])
-        return outcome
+        with executing_in(self.runner, default_time_limit(case.M, case.K, case.N, torch_device_type(self.device))):
+            return fn(*args)
 
     def rerun_command(self, case: Case) -> str:
         if self.rerun_node is not None:

@@ -146,6 +146,7 @@ class Condition(Word):
 class Phase(Word):
     """Where the code under test was when it raised or died (parity.runner.execute)."""
 
+    IMPORT = "importing the implementation"  # in its worker, before its first case
     BUILD = "building the module"
     UPDATE = "updating the weight in place"  # an optimizer-like in-place step between calls
     FORWARD = "forward"

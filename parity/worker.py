@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from multiprocessing import forkserver
 from typing import Any, Callable
 
+from parity import transfer  # (torch-free at import, as this module must be)
 from parity.vocabulary import DIED_PREFIX  # (an enum module: no torch, as this module must be)
 
 PHASE_BYTES = 512
@@ -43,6 +44,9 @@ MEMORY_SHARE = 0.75  # a CPU worker may map this share of the machine's memory
 # a one-time warning (torchao's, torch's) is a few hundred bytes; 64 KiB is hundreds of lines per call,
 # which floods a training log and costs time at every step.
 PRINT_LIMIT_BYTES = 64 * 1024
+# The largest reply the parent reads by default (parity.transfer): an execution of a case the harness runs
+# on a CPU is a few MB; a caller that expects more (a large GPU case) passes its own bound.
+REPLY_LIMIT_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -117,9 +121,19 @@ def end_worker(what: str) -> None:
     if _CONN is None:
         return
     try:
-        _CONN.send(("ended", what))
+        _send(_CONN, ("ended", what))
     finally:
         os._exit(70)
+
+
+def _send(conn, reply: tuple) -> None:
+    """A reply as plain data (parity.transfer): the parent reads it without unpickling anything."""
+    try:
+        data = transfer.encode(reply)
+    except Exception as err:  # noqa: BLE001 - a result that is not plain data: the harness's own error
+        data = transfer.encode(("raised", f"the result could not be sent back: {type(err).__name__}: {err}",
+                                traceback.format_exc()))
+    conn.send_bytes(data)
 
 
 def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: bool = False) -> None:
@@ -140,8 +154,8 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: boo
         except (EOFError, OSError):
             break
         except Exception as err:  # noqa: BLE001 - what was sent does not unpickle here: the harness's error
-            conn.send(("raised", f"the worker could not read its task: {type(err).__name__}: {err}",
-                       traceback.format_exc()))
+            _send(conn, ("raised", f"the worker could not read its task: {type(err).__name__}: {err}",
+                         traceback.format_exc()))
             continue
         if message is None:
             break
@@ -151,10 +165,7 @@ def _serve(conn, phase, output_path: str, memory_bytes: int | None, preload: boo
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as err:  # noqa: BLE001 - the harness's own error: sent back with its traceback
             reply = ("raised", f"{type(err).__name__}: {err}", traceback.format_exc())
-        try:
-            conn.send(reply)
-        except Exception as err:  # noqa: BLE001 - an unpicklable result
-            conn.send(("raised", f"the result could not be sent back: {err}", traceback.format_exc()))
+        _send(conn, reply)
     os._exit(0)
 
 
@@ -175,7 +186,7 @@ def _match_parent(settings: dict) -> None:
             os.environ[name] = value
 
 
-INHERITED_ENVIRON = ("FP8_PARITY_CPU_SCALED_MM",)
+INHERITED_ENVIRON = ("FP8_PARITY_CPU_SCALED_MM", "FP8_PARITY_CPU_REJECT")
 
 
 def _parent_settings() -> dict:
@@ -209,6 +220,18 @@ def _preload_cuda() -> None:
 
 
 # ---- in the parent --------------------------------------------------------------------------------------
+
+_REPLY_LENGTHS = {"ok": 2, "ended": 2, "raised": 3}
+
+
+def _reply(message) -> tuple:
+    """A decoded reply checked for its shape: ("ok", result), ("ended", what) or ("raised", error, traceback)."""
+    if not (isinstance(message, tuple) and message and isinstance(message[0], str)
+            and _REPLY_LENGTHS.get(message[0]) == len(message)):
+        raise transfer.TransferError(f"not a reply of the harness: {type(message).__name__}")
+    if message[0] != "ok" and not all(isinstance(part, str) for part in message[1:]):
+        raise transfer.TransferError(f"a {message[0]!r} reply whose text is not text")
+    return message
 
 @dataclass
 class _Process:
@@ -379,9 +402,11 @@ class Worker:
             self._sent.add(key)
         return key
 
-    def call(self, fn: Callable, *args, time_limit: float = math.inf, **kwargs) -> Any | Died:
-        """fn(*args, **kwargs) in the worker: its result, or Died. A KeyboardInterrupt in the parent
-        kills the worker and propagates."""
+    def call(self, fn: Callable, *args, time_limit: float = math.inf, reply_limit: int = REPLY_LIMIT_BYTES,
+             **kwargs) -> Any | Died:
+        """fn(*args, **kwargs) in the worker: its result (plain data and the records of parity.transfer, read
+        without unpickling), or Died, also when the reply is not such data or longer than `reply_limit` bytes
+        (the code under test wrote it). A KeyboardInterrupt in the parent kills the worker and propagates."""
         if self._process is None or not self._process.is_alive():
             self._start()
         self._phase.value = b""
@@ -397,9 +422,15 @@ class Worker:
                 last = now
                 if self._conn.poll(0.05):
                     try:
-                        kind, *payload = self._conn.recv()
-                    except (EOFError, OSError):
+                        data = self._conn.recv_bytes(reply_limit)
+                    except EOFError:
                         return self._died()
+                    except OSError:  # longer than reply_limit (or a broken pipe): not read
+                        return self._unreadable(f"more than {reply_limit} bytes")
+                    try:
+                        kind, *payload = _reply(transfer.decode(data))
+                    except transfer.TransferError as err:
+                        return self._unreadable(str(err))
                     if kind == "ok":
                         return payload[0]
                     if kind == "ended":
@@ -422,6 +453,12 @@ class Worker:
         except BaseException:
             self._kill()
             raise
+
+    def _unreadable(self, why: str) -> Died:
+        impl, phase = self._where()
+        self._kill()
+        return Died(f"sent back a reply the harness does not read ({why}): the code under test tampered with the "
+                    f"worker", impl, phase, self._tail())
 
     def _died(self) -> Died:
         self._process.join(timeout=5)

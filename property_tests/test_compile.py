@@ -34,7 +34,7 @@ def _run(module: nn.Module, linear: nn.Linear, x: torch.Tensor, grad_output: tor
 @pytest.mark.fp8_gpu
 @pytest.mark.parametrize(("M", "K", "N"), SHAPES, ids=lambda v: str(v))
 def test_compiled_agreement(M, K, N, pytestconfig):
-    from parity.impls import load_impl
+    from parity.impls import load_here
     case = Case(lead=(M,), K=K, N=N)
     data = make_data(case, "cuda")
     step = data.steps[0]
@@ -46,7 +46,7 @@ def test_compiled_agreement(M, K, N, pytestconfig):
             linear = nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
                 linear.weight.copy_(step.weight)
-            module, _, _ = load_impl(name).build(linear)
+            module, _, _ = load_here(name).build(linear)
             module = torch.compile(module) if compiled else module
             results[(name, compiled)] = _run(module, linear, step.input, step.grad_output)
     rows, out_of_bound = [], []

@@ -12,11 +12,11 @@ from parity.cases import Case, Layout
 from parity.contract import (ScaledMMCall, ScaledMMRecorder, contract_violations, expected_contract,
                              sm90_violations)
 from parity.data import make_data, materialize
-from parity.impls import load_impl
+from parity.impls import load_here, load_impl
 
 
 def record(impl_name: str, case: Case) -> list:
-    impl = load_impl(impl_name)
+    impl = load_here(impl_name)
     data = make_data(case)
     linear = nn.Linear(case.K, case.N, bias=case.bias, dtype=case.torch_weight_dtype)
     module, _, _ = impl.build(linear)

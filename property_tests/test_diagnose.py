@@ -547,15 +547,9 @@ def test_a_crash_unless_two_dims_are_equal_is_diagnosed_where_it_runs(user_file)
 def test_a_call_the_gpu_rejects_for_its_layout_is_layout_not_crash(user_file, monkeypatch):
     """On an H200, cuBLASLt rejects a column-major A: the implementation raises in grad_weight. The rule the
     rejected call breaks names the class (layout, grad_output's transpose handed as a view), and the crash is
-    reported beside it; here the CPU kernel is made to reject such calls as SM90's does, in this process."""
-    fast = cpu_gemm._fast
-
-    def rejecting(a, b, *args, **kwargs):
-        if a.stride(1) != 1 or b.stride(0) != 1:
-            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (SM90's layout rule, simulated on the CPU)")
-        return fast(a, b, *args, **kwargs)
-    monkeypatch.setattr(cpu_gemm, "_fast", rejecting)
-    result = bisect(user_file, "grad_weight_column_major_a", isolate=False)
+    reported beside it; here the CPU kernel rejects such calls as SM90's does (in the worker too)."""
+    monkeypatch.setenv(cpu_gemm.REJECT_ENV, "sm90-layout")
+    result = bisect(user_file, "grad_weight_column_major_a")
     assert (result.first, result.category, result.operand) == ("grad_weight", "layout", "grad_output"), \
         (result.category, result.evidence)
     assert result.crash and "CUBLAS_STATUS_NOT_SUPPORTED" in result.crash.message, result.crash

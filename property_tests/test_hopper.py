@@ -363,10 +363,11 @@ def test_a_call_the_model_does_not_compute_is_not_judged_not_a_crash_of_the_cand
     what the GPU would compute there is unknown here, so it is no finding against the implementation."""
     from parity.cases import parse_case_id
     from parity.impls import load_impl
-    from parity.runner import all_pairs, run_case
+    from parity.runner import all_pairs, isolation, run_case_isolated
     path = tmp_path / "scale_result.py"
     path.write_text(SCALE_RESULT_LAYER)
-    candidate = load_impl(f"{path}:matmul")
-    rows = run_case(parse_case_id("M16K16N16|normal|seed0"), all_pairs([candidate], [load_impl("hopper:tensorwise")]))
+    comparisons = all_pairs([load_impl(f"{path}:matmul")], [load_impl("hopper:tensorwise")])
+    with isolation(comparisons, "cpu") as runner:  # code under test: in a worker, under the same CPU kernel
+        rows = run_case_isolated(parse_case_id("M16K16N16|normal|seed0"), comparisons, runner=runner)
     assert rows and all(row.error is None for row in rows), [row.error for row in rows]
     assert all("scale_result is not modelled" in row.skipped and "cannot be judged" in row.skipped for row in rows)

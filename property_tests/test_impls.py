@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from parity.cases import Case
-from parity.impls import BUILTINS, Form, ImplError, detect_form, load_impl
+from parity.impls import BUILTINS, Form, ImplError, detect_form, load_here, load_impl
 from parity.recipes import RecipeError
 
 MUTANTS = "evals/zoo/mutants.py"
@@ -23,7 +23,9 @@ MUTANTS = "evals/zoo/mutants.py"
     (f"{MUTANTS}:CachedWeightLinear", Form.MODULE),
 ])
 def test_forms_are_detected_and_built(spec, form):
-    impl = load_impl(spec)
+    described = load_impl(spec)  # code under test: recognized in a worker, a description here
+    assert described.remote and described.target is None and described.form is form
+    impl = load_here(spec)  # as the worker imports it
     assert impl.form is form
     linear = nn.Linear(32, 16, dtype=torch.bfloat16)
     module, weight, bias = impl.build(linear)
@@ -134,7 +136,7 @@ def _linear_taking_a_bias(input_2d, weight, bias=None):
 
 def test_a_function_that_takes_a_bias_adds_it_itself_and_is_judged_on_how():
     linear = torch.nn.Linear(16, 8).to(torch.float32)
-    module, _, _ = load_impl(f"{__file__}:_linear_taking_a_bias").build(linear)
+    module, _, _ = load_here(f"{__file__}:_linear_taking_a_bias").build(linear)
     input = torch.randn(4, 16, dtype=torch.bfloat16)
     output = module(input)
     assert output.dtype == torch.float32  # the function's own promotion shows; the harness added nothing
