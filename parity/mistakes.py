@@ -102,7 +102,7 @@ def quantize_mistaken(source: torch.Tensor, cast: Cast, recipe: Recipe,
     cast), or None where the mistake cannot apply or changes nothing on this operand (nothing clipped,
     already in that precision, a tile that does not divide it)."""
     changes = {} if hypothesis is None else hypothesis.changes
-    stages = replace(oracles.CastStages(pow2=recipe.pow2_scales, via_reciprocal=recipe.reciprocal_scales),
+    stages = replace(oracles.recipe_stages(recipe),
                      **{stage.value: transform for stage, transform in changes.items() if stage in CAST_STAGES})
     try:
         if OperandStage.SOURCE in changes:
