@@ -151,10 +151,11 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     return torch.round(clamped / quantum) * quantum
 
 
-def nvfp4_global_scale(amax_tensor: torch.Tensor) -> torch.Tensor:
-    """The per-tensor decode scale amax / (448 * 6) in float32 (a 0-dim tensor); 1.0 for an all-zero tensor."""
+def nvfp4_global_scale(amax_tensor: torch.Tensor, *, divisor: float = NVFP4_GLOBAL_DIVISOR) -> torch.Tensor:
+    """The per-tensor decode scale amax / (448 * 6) in float32 (a 0-dim tensor); 1.0 for an all-zero tensor.
+    (`divisor`: another one, for the mistakes that aim it elsewhere.)"""
     amax32 = amax_tensor.to(torch.float32).reshape(())
-    global_ = amax32 / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+    global_ = amax32 / torch.tensor(divisor, dtype=torch.float32)
     return torch.where(amax32 == 0, torch.ones_like(global_), global_)
 
 

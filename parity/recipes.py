@@ -214,6 +214,11 @@ class Recipe:
         return self.high_precision is None
 
     @property
+    def microscaled(self) -> bool:
+        """A block-scaled recipe of Blackwell's GEMMs (MXFP8, NVFP4: parity.mx)."""
+        return any(cast.scaling.microscaled for gemm in self.gemms for cast in (gemm.a, gemm.b))
+
+    @property
     def alignment(self) -> int:
         """M, K and N must be multiples of this: 16 (cuBLASLt's FP8 GEMMs), 128 with block scales,
         1 for a high-precision reference."""
@@ -222,8 +227,7 @@ class Recipe:
         blocks = any(g.kind == "BlockWise" for g in self.gemms)
         # MXFP8 and NVFP4 (MX-SPEC.md): dims in whole blocks of 32; NVFP4's blocks are 16 long, but torch's
         # _scaled_mm_v2 needs the packed inner dim (K / 2 bytes of fp4) divisible by 16 too: K a multiple of 32
-        microscaled = any(g.kind.startswith("BlockWise1x") for g in self.gemms)
-        return BLOCK if blocks else MX_BLOCK if microscaled else 16
+        return BLOCK if blocks else MX_BLOCK if self.microscaled else 16
 
     def unsupported(self, M: int, K: int, N: int) -> str | None:
         """Why a case of these dims cannot run under this recipe, or None."""

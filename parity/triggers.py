@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from parity.cases import INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
+from parity.cases import DRAWN_DISTS, INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
 from parity.check import CheckPlan
 from parity.findings import Trigger
 from parity.localization import Localization, Outcome
@@ -62,7 +62,7 @@ def one_condition_more(case: Case, plan: CheckPlan, device: str) -> list[Case]:
     variants += [case.replace(N=case.K), case.replace(bias=True), case.replace(steps=2)]
     if len(case.lead) == 1:
         variants.append(case.replace(lead=(2, case.M // 2)))
-    variants += [case.replace(dist=dist) for dist in Dist]
+    variants += [case.replace(dist=dist) for dist in DRAWN_DISTS]
     return [v for v in dict.fromkeys(variants) if v != case and plan.unsupported(v, torch.device(device).type) is None]
 
 
@@ -75,7 +75,7 @@ def more_distributions(result: Localization, case: Case, device: str, outcome_of
     is tried on the same case, and those that fail too are named ("or with X data")."""
     if not _needs(result, Condition.DISTRIBUTION):
         return
-    for dist in Dist:
+    for dist in DRAWN_DISTS:
         if dist not in (case.dist, Dist.NORMAL) and outcome_of(case.replace(dist=dist), device).fails:
             other = case.replace(dist=dist)
             result.triggers.append(Trigger(Condition.DISTRIBUTION, dist=other.dist_token, alternative=True))
