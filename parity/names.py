@@ -24,7 +24,7 @@ MX_RECIPES = ("mxfp8", "mxfp8_floor", "nvfp4")
 # the recipes a family of built-ins does not implement: no Hopper model computes a microscaled GEMM;
 # torchao 0.18's NVFP4 training (prototype.moe_training.nvfp4_training) is Triton-only, with stochastic
 # rounding and a Hadamard transform: not the nvfp4 recipe; fp8_impl implements MXFP8, not NVFP4
-NOT_IMPLEMENTED_BY = {"hopper": MX_RECIPES, "torchao": ("nvfp4",), "fp8_impl": MX_RECIPES}
+NOT_IMPLEMENTED_BY = {"hopper": MX_RECIPES, "torchao": ("nvfp4",), "fp8_impl": ("nvfp4",)}
 
 
 def family_recipes(family: str) -> tuple[str, ...]:

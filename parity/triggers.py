@@ -23,8 +23,9 @@ from parity.vocabulary import Condition, Operand
 OutcomeOf = Callable[..., Outcome]  # (case, device, runner=...) -> what the plan's comparisons say
 
 
-def conditions(case: Case) -> list[tuple[Trigger, Case]]:
-    """(the trigger a condition of the case is, the case without that condition)."""
+def conditions(case: Case, alignment: int = 16) -> list[tuple[Trigger, Case]]:
+    """(the trigger a condition of the case is, the case without that condition); `alignment`, the plan's:
+    K != N is made with an N the recipe takes."""
     undo = []
     layouts = (("input_layout", Operand.INPUT), ("weight_layout", Operand.WEIGHT),
                ("grad_output_layout", Operand.GRAD_OUTPUT))
@@ -34,7 +35,7 @@ def conditions(case: Case) -> list[tuple[Trigger, Case]]:
             undo.append((Trigger(Condition.NON_CONTIGUOUS, operand, layout=layout.name.lower()),
                          case.replace(**{attr: Layout.CONTIGUOUS})))
     if case.K == case.N:
-        step = BLOCK if case.K % BLOCK == 0 else 16
+        step = BLOCK if case.K % BLOCK == 0 else max(16, alignment)
         undo.append((Trigger(Condition.K_EQUALS_N, Operand.WEIGHT), case.replace(N=case.N + step)))
     if len(case.lead) > 1:
         undo.append((Trigger(Condition.ND_INPUT, Operand.INPUT), case.replace(lead=(case.M,))))
@@ -99,11 +100,11 @@ def more_dtypes(result: Localization, plan: CheckPlan, case: Case, device: str, 
 
 
 def flip_conditions(result: Localization, case: Case, base: Outcome, device: str,
-                    outcome_of: OutcomeOf) -> tuple[list[Trigger], list[tuple[Case, Outcome]]]:
+                    outcome_of: OutcomeOf, alignment: int = 16) -> tuple[list[Trigger], list[tuple[Case, Outcome]]]:
     """Each condition flipped alone: the numbers' triggers into `result`; returned, the crash's triggers
     and the cases that run without the crash (case, outcome)."""
     crash_triggers, running = [], []
-    for trigger, flipped in conditions(case):
+    for trigger, flipped in conditions(case, alignment):
         outcome = outcome_of(flipped, device)
         if not outcome.fails:
             result.triggers.append(trigger)

@@ -139,3 +139,64 @@ def test_torchaos_emulated_mx_layer_is_recorded_and_hands_the_oracles_operands()
     execution, findings = run("torchao:mxfp8", "mxfp8", CASE)
     assert [call.op for call in execution.calls] == [MX_EMULATED] * 3 and findings == []
     assert all(sm90_problems(call) == [] for call in execution.calls)
+
+
+# ---- fp8_impl's mxfp8 ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fp8_impls_mxfp8_cast_is_the_oracles_bit_for_bit(rule, dtype):
+    """fp8_impl casts on its own (it imports nothing of parity): its bytes and E8M0 scales are the oracle's,
+    edge blocks included (a NaN, an Inf, zeros, subnormals, amax at a power of two)."""
+    from fp8_impl.matmul import to_mxfp8
+    torch.manual_seed(2)
+    x = (torch.randn(8, 256) * torch.exp2(torch.randint(-20, 20, (8, 1)).float())).to(dtype)
+    x[0, 3], x[1, 40], x[2, 64:96], x[3, 96:128] = float("nan"), float("inf"), 0.0, 2.0 ** -20
+    x[4, :32] = torch.linspace(-1, 1, 32).to(dtype) * 448 * 2.0 ** -6  # amax 448 * 2^-6 exactly
+    ours_values, ours_scales = to_mxfp8(x, rule)
+    q = oracles.quantize(x, RECIPES["mxfp8"].gemm("output").a, mx_rule=rule)
+    assert torch.equal(ours_scales.view(torch.uint8), mx.e8m0_bytes_of(q.inv_scale))
+    finite = ~q.inv_scale.isnan().repeat_interleave(32, 1)
+    assert torch.equal(ours_values.to(torch.float64)[finite], q.values[finite])
+
+
+def test_fp8_impls_mxfp8_runs_alone_on_a_cpu_and_through_the_harness_kernel():
+    """Alone on a CPU, torch refuses the block-scaled call and fp8_impl runs the emulated GEMM; under the
+    harness's CPU kernel its F.scaled_mm calls are served, recorded and hand every GEMM the oracle's operands."""
+    from fp8_impl import Float8Linear, Float8LinearConfig
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(64, 96, bias=False, dtype=torch.bfloat16)
+    layer = Float8Linear.from_float(linear, config=Float8LinearConfig.from_recipe_name("mxfp8"))
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    exact = oracles.emulate_linear(x, linear.weight.detach(), torch.zeros(32, 96, dtype=torch.bfloat16),
+                                   RECIPES["mxfp8"])
+    alone = layer(x)
+    with cpu_gemm.FastScaledMM():
+        served = layer(x)
+    assert torch.equal(served, exact.output.to(torch.bfloat16))  # the exact GEMM rounded once
+    torch.testing.assert_close(alone, served, rtol=2 ** -7, atol=0)  # fp32 accumulation, then bf16
+    execution, findings = run("fp8_impl:mxfp8", "mxfp8", CASE)
+    assert len(execution.calls) == 3 and findings == []
+
+
+@pytest.mark.fp8_gpu
+def test_fp8_impls_mxfp8_on_the_gpu_is_within_the_bound_of_the_exact_emulation():
+    """On a GPU before SM100 (the H200) fp8_impl's MXFP8 GEMMs are the emulated ones; on SM100 cuBLAS's. Either
+    way every element lies within the accumulation bound of the exact result."""
+    from fp8_impl import Float8Linear, Float8LinearConfig
+    torch.manual_seed(4)
+    M, K, N = 256, 512, 384
+    linear = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")
+    layer = Float8Linear.from_float(linear, config=Float8LinearConfig.from_recipe_name("mxfp8"))
+    x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    grad_output = torch.randn(M, N, dtype=torch.bfloat16, device="cuda")
+    output = layer(x)
+    output.backward(grad_output)
+    exact = oracles.emulate_linear(x.detach().cpu(), linear.weight.detach().cpu(), grad_output.cpu(),
+                                   RECIPES["mxfp8"])
+    for name, got in (("output", output), ("grad_input", x.grad), ("grad_weight", linear.weight.grad)):
+        gamma = oracles.accumulation_gamma(exact.inner_dim[name], device_type="cuda", fast_accum=False)
+        ratio, beyond, _ = oracles.accumulation_excess(
+            got.cpu(), getattr(exact, name).to(torch.bfloat16), magnitude=exact.magnitude[name], gamma=gamma,
+            gemm_value=getattr(exact, name), rounding_chain=[torch.bfloat16])
+        assert ratio <= 1, f"{name}: {beyond} elements beyond the bound ({ratio:.3g}x)"
