@@ -144,13 +144,27 @@ def _guess_gemms(phase: str, a_shape: tuple, b_shape: tuple, M: int, K: int, N: 
 
 
 def _v1_scaling(a_shape, scale_a: torch.Tensor, b_shape, scale_b: torch.Tensor) -> tuple[str, str]:
-    """The scaling kinds torch._scaled_mm infers from the scale shapes (SM90: tensorwise or rowwise)."""
+    """The scaling kinds torch._scaled_mm infers from the scale shapes (SM90: tensorwise or rowwise) and, on
+    SM100, from the scale dtypes (e8m0: MXFP8's 1x32 blocks; e4m3 scales of fp4 operands: NVFP4's 1x16)."""
+    mx_kind = v1_mx_kind(scale_a, scale_b)
+    if mx_kind is not None:
+        return mx_kind, mx_kind
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return "TensorWise", "TensorWise"
     if len(a_shape) == 2 and len(b_shape) == 2 and tuple(scale_a.shape) == (a_shape[0], 1) \
             and tuple(scale_b.shape) == (1, b_shape[1]):
         return "RowWise", "RowWise"
     return "?", "?"
+
+
+def v1_mx_kind(scale_a: torch.Tensor, scale_b: torch.Tensor) -> str | None:
+    """The microscaled kind of a torch._scaled_mm call (its scales say it: torchao's MX GEMMs call it so), or None.
+    Its scales are swizzled: _scaled_mm takes no other layout for them."""
+    if scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu:
+        return "BlockWise1x32"
+    if scale_a.dtype == scale_b.dtype == torch.float8_e4m3fn and scale_a.numel() > 1:
+        return "BlockWise1x16"
+    return None
 
 
 def custom_op_kernel(func, args):
@@ -235,6 +249,7 @@ class ScaledMMRecorder(TorchDispatchMode):
         else:
             scale_a, scale_b = bound["scale_a"], bound["scale_b"]
             scaling = _v1_scaling(tuple(a.shape), scale_a, tuple(b.shape), scale_b)
+            swizzle = ("SWIZZLE_32_4_4", "SWIZZLE_32_4_4") if scaling[0] in MX_CALLS else ()
         return self._call(a, b, scale_a, scale_b, globals_, op="scaled_mm_v2" if v2 else "_scaled_mm",
                           scaling=scaling, swizzle=swizzle, bias=bound.get("bias"), out_dtype=bound.get("out_dtype"),
                           fast=bool(bound.get("use_fast_accum", False)))

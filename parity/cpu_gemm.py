@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parity import hopper, mx, oracles  # mmaemu itself is imported on the first modelled call
-from parity.contract import V2_SCALINGS, custom_op_kernel
+from parity.contract import V2_SCALINGS, custom_op_kernel, v1_mx_kind
 from parity.names import CPU_GEMM_MODES
 
 aten = torch.ops.aten
@@ -135,6 +135,13 @@ def _mx_operand(values: torch.Tensor, scales: list, swizzle, block: int, role: s
     return oracles.Quantized(decoded, per_block, (1, block), fmt)
 
 
+def _as_v2(call: dict) -> dict:
+    """A torch._scaled_mm call with microscaled scales as the _scaled_mm_v2 call it stands for (swizzled scales)."""
+    kind = {"BlockWise1x32": 3, "BlockWise1x16": 2}[v1_mx_kind(call["scale_a"], call["scale_b"])]
+    return {**call, "scale_a": [call["scale_a"]], "scale_b": [call["scale_b"]], "recipe_a": [kind], "recipe_b": [kind],
+            "swizzle_a": [1], "swizzle_b": [1]}
+
+
 def mx_scaled_mm(call: dict) -> torch.Tensor:
     """A microscaled aten._scaled_mm_v2 call (its arguments by schema name), computed exactly (see above)."""
     _, block = _mx_kind(call)
@@ -162,7 +169,10 @@ class FastScaledMM(TorchDispatchMode):
         if any(t not in _PLAIN_TYPES for t in types):
             return NotImplemented
         if func is aten._scaled_mm.default:
-            out = _fast(**_bound(_V1_NAMES, args, kwargs))
+            call = _bound(_V1_NAMES, args, kwargs)
+            if call["a"].device.type == "cpu" and v1_mx_kind(call["scale_a"], call["scale_b"]) is not None:
+                return mx_scaled_mm(_as_v2(call))
+            out = _fast(**call)
             if out is not None:
                 return out
         if hasattr(aten, "_scaled_mm_v2") and func is aten._scaled_mm_v2.default:
@@ -242,6 +252,10 @@ class HopperScaledMM(TorchDispatchMode):
         v2 = hasattr(aten, "_scaled_mm_v2") and func is aten._scaled_mm_v2.default
         if v2 and args[0].device.type == "cpu" and _mx_kind(_bound(_V2_NAMES, args, kwargs)) is not None:
             return mx_scaled_mm(_bound(_V2_NAMES, args, kwargs))  # SM100's GEMMs: no Hopper model, the emulation
+        if func is aten._scaled_mm.default and args[0].device.type == "cpu":
+            call = _bound(_V1_NAMES, args, kwargs)
+            if v1_mx_kind(call["scale_a"], call["scale_b"]) is not None:
+                return mx_scaled_mm(_as_v2(call))
         if (func is aten._scaled_mm.default or v2) and args[0].device.type == "cpu" and args[0].dtype in _FP8:
             bound = _bound(_V2_NAMES if v2 else _V1_NAMES, args, kwargs)
             return _hopper_v2(bound) if v2 else _hopper_v1(**bound)

@@ -200,3 +200,14 @@ def test_fp8_impls_mxfp8_on_the_gpu_is_within_the_bound_of_the_exact_emulation()
             got.cpu(), getattr(exact, name).to(torch.bfloat16), magnitude=exact.magnitude[name], gamma=gamma,
             gemm_value=getattr(exact, name), rounding_chain=[torch.bfloat16])
         assert ratio <= 1, f"{name}: {beyond} elements beyond the bound ({ratio:.3g}x)"
+
+
+def test_torch_scaled_mm_with_e8m0_scales_is_served_and_recorded_as_mxfp8():
+    """torchao's SM100 path calls torch._scaled_mm (v1) with e8m0 scales, swizzled: served and read so too."""
+    a, b, sa, sb, exact = mxfp8_operands()
+    recorder = ScaledMMRecorder(64, 96, 160, keep_data=True)
+    with cpu_gemm.FastScaledMM(), recorder:
+        out = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
+    assert torch.equal(out, exact.to(torch.bfloat16))
+    call = recorder.calls[0]
+    assert call.scaling == ("BlockWise1x32", "BlockWise1x32") and sm90_problems(call) == []

@@ -22,19 +22,23 @@ def test_six_public_bugs_are_planted():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_the_correct_layers_pass(recipe):
-    result = run_check(plan_for(f"evals/zoo/mx_mutants.py:correct_{recipe}", recipe), max_examples=10)
+def test_the_correct_layer_passes():
+    """The edge cases (a NaN among them) and a few searched cases; the NVFP4 layer's operands are checked in
+    test_mx_harness (and passed a full check: docs/concepts/mx.md)."""
+    result = run_check(plan_for("evals/zoo/mx_mutants.py:correct_mxfp8", "mxfp8"), max_examples=5)
     assert result.verdict == "pass", [v.full_message for v in result.violations]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutant", MX_MUTANTS, ids=lambda m: m.name)
-def test_bisect_localizes_every_mx_mutant(mutant):
+@pytest.mark.parametrize("mutant", PUBLIC, ids=lambda m: m.name)
+def test_bisect_localizes_every_public_mx_bug(mutant):
+    """GEMM, operand and class; the only trigger is the NaN cast's nan data (K != N is tried with an N the
+    recipe takes: N + 16 is no MX case, and its skipped run once read as 'only when K == N')."""
     result = localize(plan_for(mutant.spec, mutant.recipe), max_examples=20)
-    summary = (f"{mutant.name}: got class {result.category}, gemm {result.gemm}, operand {result.operand}; "
-               f"evidence {result.evidence}")
+    summary = (f"{mutant.name}: got class {result.category}, gemm {result.gemm}, operand {result.operand}, "
+               f"trigger {result.trigger}; evidence {result.evidence}")
     assert result.verdict == "fail", summary
     assert (result.category, result.first, result.operand) == (mutant.category, mutant.gemms[0], mutant.operand), \
         summary
     assert sorted(result.gemm) == sorted(mutant.gemms), summary
+    assert result.trigger == (["only with nan data"] if mutant.name == "mx_dim0_nan_skipped" else []), summary
