@@ -2,9 +2,10 @@
 
 A recipe answers three questions per GEMM (output, grad_input, grad_weight): which fp8 format
 each operand takes, at what granularity it is scaled (one scale per tensor, per row along the
-GEMM's inner dim, per 1x128 tile or per 128x128 block, or not at all: high precision), and
-whether the GEMM may accumulate fast. `Float8LinearConfig.from_recipe_name` builds the four
-recipes torchao and DeepSeek-V3 use; matmul.py's docstring says why each is what it is.
+GEMM's inner dim, per 1x128 tile, per 128x128 block or per 32-element MX block, or not at all:
+high precision), and whether the GEMM may accumulate fast. `Float8LinearConfig.from_recipe_name`
+builds the recipes torchao, DeepSeek-V3 and Blackwell's MXFP8 use; matmul.py's docstring says why
+each is what it is.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ class Float8LinearRecipeName(enum.Enum):
     ROWWISE = "rowwise"
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
     BLOCKWISE = "blockwise"
+    MXFP8 = "mxfp8"
+    MXFP8_FLOOR = "mxfp8_floor"
 
 
 class Scaling(enum.Enum):
@@ -29,6 +32,7 @@ class Scaling(enum.Enum):
     AXISWISE = "axiswise"  # one per row of A (and per column of B): amax over the inner dim
     BLOCK_1X128 = "1x128"  # one per row (column of B) per 128 elements of the inner dim
     BLOCK_128X128 = "128x128"  # one per 128x128 block
+    MX_1X32 = "1x32"  # MXFP8: a power-of-two (E8M0) scale per 32 elements of the inner dim
     DISABLED = "disabled"  # not cast: this GEMM runs in high precision
 
 
@@ -66,6 +70,7 @@ class GemmConfig:
 
 _TENSOR, _AXIS = CastConfig(Scaling.TENSORWISE), CastConfig(Scaling.AXISWISE)
 _HIGH = CastConfig(Scaling.DISABLED, None)
+_MX = GemmConfig(CastConfig(Scaling.MX_1X32), CastConfig(Scaling.MX_1X32))  # every operand along its GEMM's inner dim
 _RECIPES = {
     Float8LinearRecipeName.TENSORWISE: dict(
         output=GemmConfig(_TENSOR, _TENSOR, fast_accum=True),
@@ -81,6 +86,8 @@ _RECIPES = {
         output=GemmConfig(CastConfig(Scaling.BLOCK_1X128), CastConfig(Scaling.BLOCK_128X128)),
         grad_input=GemmConfig(CastConfig(Scaling.BLOCK_1X128), CastConfig(Scaling.BLOCK_128X128)),
         grad_weight=GemmConfig(CastConfig(Scaling.BLOCK_1X128), CastConfig(Scaling.BLOCK_1X128))),
+    **{name: dict(output=_MX, grad_input=_MX, grad_weight=_MX, mx_rule=rule) for name, rule in (
+        (Float8LinearRecipeName.MXFP8, "rceil"), (Float8LinearRecipeName.MXFP8_FLOOR, "floor"))},
 }
 
 
@@ -93,6 +100,7 @@ class Float8LinearConfig:
     grad_input: GemmConfig = _RECIPES[Float8LinearRecipeName.TENSORWISE]["grad_input"]
     grad_weight: GemmConfig = _RECIPES[Float8LinearRecipeName.TENSORWISE]["grad_weight"]
     round_scales_to_power_of_2: bool = False
+    mx_rule: str = "rceil"  # an MXFP8 scale: "rceil" (the smallest 2^e >= amax / 448) or "floor" (OCP MX v1.0)
 
     def __post_init__(self):
         if not isinstance(self.recipe, Float8LinearRecipeName):
@@ -119,6 +127,8 @@ class Float8LinearConfig:
     def alignment(self) -> int:
         """M, K and N must be multiples of this: 16 for cuBLASLt's FP8 GEMMs, 128 for block scales."""
         blocks = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
+        if any(c.scaling is Scaling.MX_1X32 for g in self.gemms for c in (g.a, g.b)):
+            return 32  # whole blocks of 32 along every GEMM's inner dim: M, K and N
         return 128 if any(c.scaling in blocks for g in self.gemms for c in (g.a, g.b)) else 16
 
     def short_str(self) -> str:

@@ -58,6 +58,15 @@ blockwise           DeepSeek-V3's recipe: activations and gradients get one scal
                     runs on SM90 through torch.nn.functional.scaled_mm; a CPU has no block-scaled
                     GEMM, so there the same FP8 operands and scales are multiplied by an
                     emulation: per 128-block products summed in fp32, scaled, summed in fp32.
+mxfp8               Blackwell's microscaling (OCP MX): every operand of every GEMM gets one
+                    power-of-two scale per 32 elements along that GEMM's inner dim, stored as an
+                    E8M0 byte (e + 127; 0xFF is NaN), e4m3 elements. The scale 2^e is the smallest
+                    power of two with 2^e >= amax / 448 (RCEIL, cuBLAS's cast: nothing saturates);
+                    mxfp8_floor takes OCP MX v1.0's 2^(floor(log2 amax) - 8), whose largest elements
+                    may saturate. Power-of-two scales make scaling exact; a NaN (or Inf) makes its
+                    block's scale NaN. SM100's GEMM takes the scales "swizzled" into 128x4 tiles.
+                    Where torch has no block-scaled GEMM (a CPU, a GPU before SM100) the GEMM is the
+                    emulated one: the operands decoded (exact in fp32), multiplied in fp32.
 
 Why each operand has the layout it has
 --------------------------------------
@@ -140,10 +149,56 @@ def _blocks_emulated(a, scale_a, b, scale_b, out_dtype):
     return (partial * scale_a.t()[:, :, None] * scale_b[:, None, :]).sum(0).to(out_dtype)
 
 
+def to_mxfp8(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, inner] -> (e4m3 [rows, inner] row-major, E8M0 scales [rows, inner/32]): one power-of-two
+    scale per 32 elements (see the docstring's mxfp8); the exponent read exactly from frexp."""
+    rows, inner = x.shape
+    blocks = x.float().reshape(rows, inner // 32, 32)
+    amax = blocks.abs().amax(-1)
+    ratio = amax / 448.0 if rule == "rceil" else amax  # RCEIL's quotient in float32
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, 0.5 <= mantissa < 1
+    e = exponent - (mantissa == 0.5).int() if rule == "rceil" else exponent - 9  # ceil / floor(log2) - 8
+    e = torch.where(ratio > 0, e, -127).clamp(-127, 127).float()
+    e = torch.where(amax.isfinite(), e, float("nan"))  # NaN or Inf in a block: its scale is NaN
+    x_fp8 = (blocks * torch.exp2(-e)[..., None]).clamp(-448.0, 448.0).to(E4M3)
+    return x_fp8.reshape(rows, inner).contiguous(), torch.where(e.isnan(), 255.0, e + 127).to(torch.uint8).view(
+        torch.float8_e8m0fnu)
+
+
+def _swizzled(scales: torch.Tensor) -> torch.Tensor:
+    """Scales [rows, n] as SM100 takes them: zero-padded to 128x4 tiles, the tile's (r, c) at byte
+    (r % 32) * 16 + (r // 32) * 4 + c, tiles row by row (cuBLAS's block scaling factor layout)."""
+    rows, n = scales.shape
+    padded = scales.view(torch.uint8).new_zeros(-(-rows // 128) * 128, -(-n // 4) * 4)
+    padded[:rows, :n] = scales.view(torch.uint8)
+    tiles = padded.reshape(padded.shape[0] // 128, 4, 32, padded.shape[1] // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1).view(torch.float8_e8m0fnu)
+
+
+def _mx_gemm(a, scale_a, b, scale_b, out_dtype):
+    """An MXFP8 GEMM: SM100's kernel through F.scaled_mm where torch has one; elsewhere the emulated GEMM
+    (decoded operands, exact in fp32, multiplied in fp32, rounded once). scale_b: [C, I/32]."""
+    sm100 = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (10, 0)
+    if sm100 or not a.is_cuda:
+        try:  # a CPU's torch refuses it ("CPU does not support swizzle"), unless a harness serves the call
+            return F.scaled_mm(a, b, _swizzled(scale_a), F.ScalingType.BlockWise1x32, _swizzled(scale_b),
+                               F.ScalingType.BlockWise1x32, swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
+                               swizzle_b=F.SwizzleType.SWIZZLE_32_4_4, output_dtype=out_dtype)
+        except ValueError:
+            if sm100:
+                raise
+
+    def decoded(x, scale):  # [R, I] row-major with [R, I/32] scales
+        return (x.float().reshape(x.shape[0], -1, 32) * scale.float()[..., None]).reshape(x.shape)
+    return (decoded(a, scale_a) @ decoded(b.t(), scale_b).t()).to(out_dtype)
+
+
 def _gemm(a, scale_a, b, scale_b, gemm: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
     """a @ b from fp8 operands (a row-major [R, I], b column-major [I, C]) and inverse scales
-    (scale_b of 1x128 tiles is [C, I/128], as cuBLASLt takes it)."""
+    (scale_b of 1x128 tiles is [C, I/128], as cuBLASLt takes it; of MX blocks [C, I/32])."""
     kinds = {gemm.a.scaling, gemm.b.scaling}
+    if kinds == {Scaling.MX_1X32}:
+        return _mx_gemm(a, scale_a, b, scale_b, out_dtype)
     if kinds == {Scaling.TENSORWISE}:
         return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
                                 out_dtype=out_dtype, use_fast_accum=gemm.fast_accum)
@@ -172,10 +227,12 @@ def _gemm(a, scale_a, b, scale_b, gemm: GemmConfig, out_dtype: torch.dtype) -> t
                        output_dtype=torch.bfloat16).to(out_dtype)  # bf16, as torchao's blockwise writes
 
 
-def _cast_for_gemm(x: torch.Tensor, cast: CastConfig, pow2: bool):
+def _cast_for_gemm(x: torch.Tensor, cast: CastConfig, pow2: bool, rule: str = "rceil"):
     """(x_fp8, inverse scales in _scaled_mm's layout) of an operand [rows, inner]."""
     if cast.scaling is Scaling.TENSORWISE and not pow2:
         return to_float8(x, cast.fp8_dtype)
+    if cast.scaling is Scaling.MX_1X32:
+        return to_mxfp8(x, rule)
     x_fp8, inverse = quantize(x, cast, pow2=pow2)
     if cast.scaling is Scaling.BLOCK_1X128:  # [rows, inner/128] stored column-major
         inverse = inverse.t().contiguous().t()
@@ -186,10 +243,10 @@ def _run_gemm(a_hp, b_hp_t, gemm: GemmConfig, config: Float8LinearConfig, out_dt
     """One GEMM a @ b from high-precision A [R, I] and B.T [C, I] (or their cached tensorwise casts)."""
     if gemm.a.scaling is Scaling.DISABLED:
         return a_hp @ b_hp_t.t()
-    pow2 = config.round_scales_to_power_of_2
-    a_fp8, scale_a = cached[0] or _cast_for_gemm(a_hp, gemm.a, pow2)
-    bt_fp8, scale_bt = cached[1] or _cast_for_gemm(b_hp_t, gemm.b, pow2)
-    scale_b = scale_bt if gemm.b.scaling is Scaling.BLOCK_1X128 else scale_bt.t()
+    pow2, rule = config.round_scales_to_power_of_2, config.mx_rule
+    a_fp8, scale_a = cached[0] or _cast_for_gemm(a_hp, gemm.a, pow2, rule)
+    bt_fp8, scale_bt = cached[1] or _cast_for_gemm(b_hp_t, gemm.b, pow2, rule)
+    scale_b = scale_bt if gemm.b.scaling in (Scaling.BLOCK_1X128, Scaling.MX_1X32) else scale_bt.t()
     return _gemm(_row_major(a_fp8), scale_a, _col_major(bt_fp8.t()), scale_b, gemm, out_dtype)
 
 
@@ -260,8 +317,8 @@ def check_float8_operands(input_2d: torch.Tensor, weight: torch.Tensor, *, lead_
                          f"(weight shape {tuple(weight.shape)})")
     lead = f" (the product of the input's leading dims {tuple(lead_shape)})" if lead_shape is not None else ""
     align = config.alignment
-    why = "block scales tile every GEMM dimension by 128" if align == BLOCK else \
-        "torch._scaled_mm needs every GEMM dimension divisible by 16"
+    why = {BLOCK: "block scales tile every GEMM dimension by 128", 32: "MX scales take whole blocks of 32 along "
+           "every GEMM's inner dim"}.get(align, "torch._scaled_mm needs every GEMM dimension divisible by 16")
     for dim, value, role, fix in (
         ("M", M, f"tokens{lead}; the inner dim of grad_weight = grad_output.T @ input",
          "pad the batch or sequence"),
@@ -289,4 +346,4 @@ def float8_matmul(input_2d: torch.Tensor, weight: torch.Tensor, *, config=None) 
 
 
 __all__ = ["E4M3", "E5M2", "EPS", "FP8_MAX", "amax_to_scale", "check_float8_operands", "float8_matmul",
-           "quantize", "to_float8"]
+           "quantize", "to_float8", "to_mxfp8"]

@@ -172,7 +172,7 @@ def _localize(plan: CheckPlan, device: str, cases: list[Case] | None, max_exampl
     result.violations = base.violations
 
     # 1. triggers, by flipping one condition at a time (the crash's apart from the numbers')
-    crash_triggers, running = flip_conditions(result, case, base, device, search.outcome_of)
+    crash_triggers, running = flip_conditions(result, case, base, device, search.outcome_of, plan.alignment)
     more_distributions(result, case, device, search.outcome_of)
     more_dtypes(result, plan, case, device, search.outcome_of)
     numeric_case, numeric, diagnosis_runner = _case_to_diagnose(result, search, case, base, crash_triggers, running)

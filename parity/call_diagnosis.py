@@ -27,7 +27,8 @@ from parity.data import StepData
 from parity.findings import Finding
 from parity.mistakes import Hypothesis, operand_hypotheses, quantize_mistaken
 from parity.operand_sources import OperandSources, strides_ignored
-from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, Cast, Gemm, Recipe
+from parity import mx
+from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, MX_BLOCK, NVFP4_BLOCK, Cast, Gemm, Recipe
 from parity.vocabulary import BugClass, Kind, Operand, Stage, Tensor
 
 
@@ -69,9 +70,29 @@ def _expanded(scale: torch.Tensor, rows: int, inner: int) -> torch.Tensor:
     return scale.repeat_interleave(rows // scale.shape[0], 0).repeat_interleave(inner // scale.shape[1], 1)
 
 
-def _call_scales(kind: str, scale: torch.Tensor, role: str, rows: int, inner: int) -> torch.Tensor | None:
+def _mx_call_scales(kind: str, scale: torch.Tensor, rows: int, inner: int, swizzled: bool,
+                    global_: torch.Tensor | None) -> torch.Tensor:
+    """The decode scale of each element from a microscaled call's block scales (read swizzled or as the
+    [rows, inner / block] grid, as the call declares them) and, for NVFP4, its per-tensor scale."""
+    block = MX_BLOCK if kind == "BlockWise1x32" else NVFP4_BLOCK
+    blocks = -(-inner // block)
+    raw = scale.detach().cpu()
+    grid = mx.unswizzled(raw, rows, blocks) if swizzled else raw.reshape(rows, blocks)
+    per_block = mx.e8m0_values(grid) if grid.dtype == torch.float8_e8m0fnu else grid.to(torch.float64)
+    if global_ is not None:
+        per_block = per_block * global_.detach().cpu().to(torch.float64).reshape(())
+    return _expanded(per_block, rows, blocks * block)[:, :inner]
+
+
+def _call_scales(kind: str, scale: torch.Tensor, role: str, rows: int, inner: int, *, swizzled: bool = False,
+                 global_: torch.Tensor | None = None) -> torch.Tensor | None:
     """The inverse scale of each element of an operand laid out [rows, inner] (A, or B.T), from a
     recorded call's scale tensor of scaling `kind`; None when the layout is not understood."""
+    if kind in ("BlockWise1x32", "BlockWise1x16"):
+        try:
+            return _mx_call_scales(kind, scale, rows, inner, swizzled, global_)
+        except (RuntimeError, ValueError):  # a size the layout does not allow: the contract rules report it
+            return None
     s = scale.detach().to(torch.float64).cpu()
     try:
         if kind == "TensorWise" or s.numel() == 1:
@@ -92,6 +113,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
+def _same_values(got: torch.Tensor, want: torch.Tensor, want_scales: torch.Tensor) -> bool:
+    """The fp8 values equal wherever they mean anything: an element under a NaN scale decodes to NaN whatever
+    its byte (OCP MX: a block whose scale is NaN is NaN), so those bytes are not compared."""
+    return _same(torch.where(want_scales.isnan(), want, got), want)
+
+
+def decoded_operand(tensor: torch.Tensor) -> torch.Tensor:
+    """A recorded operand's values (float64, on the CPU): fp8 converted, packed fp4 unpacked along its last
+    dim (call it on A, or on B.T: the contraction dim last)."""
+    if tensor.dtype == torch.float4_e2m1fn_x2:
+        return mx.unpack_e2m1(tensor.detach().cpu())
+    return tensor.detach().to(torch.float64).cpu()
+
+
 def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple, float, float]:
     differ = ~((got == want) | (got.isnan() & want.isnan()))
     count = int(differ.sum())
@@ -108,7 +143,7 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     rows, inner = values.shape
     correct = quantize_mistaken(sources.view(gemm, role, "same"), cast, recipe)
     want_scales = _expanded(correct.inv_scale.cpu(), rows, inner)
-    values_ok = _same(values, correct.values.cpu())
+    values_ok = _same_values(values, correct.values.cpu(), want_scales)
     scales_ok = scales is not None and _same(scales, want_scales)
     if values_ok and (scales_ok or scales is None):  # no scales to compare: the values decide
         return None
@@ -119,9 +154,12 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
         q = sources.quantized(hypothesis, gemm, role, cast, recipe, (rows, inner))
         # the values came in the recipe's format (compare_call checks it first): a mistake that ends in
         # another format is not theirs, even where its values coincide with theirs
-        if q is None or q.fp8_dtype != cast.dtype or not _same(values, q.values.cpu()):
+        if q is None or q.fp8_dtype != cast.dtype:
             continue
-        if scales is None or _same(scales, _expanded(q.inv_scale.cpu(), rows, inner)):
+        q_scales = _expanded(q.inv_scale.cpu(), rows, inner)
+        if not _same_values(values, q.values.cpu(), q_scales):
+            continue
+        if scales is None or _same(scales, q_scales):
             stage = "scale" if hypothesis.category == "scale" or hypothesis.amax_source != "same" else "bytes"
             return OperandExplanation(stage, hypothesis.category, hypothesis.description, hypothesis)
         values_only = values_only or hypothesis
@@ -137,7 +175,8 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
         return OperandExplanation("scale", "", f"its inverse scale differs from the oracle's for {count} of "
                                   f"{scales.numel()} elements (first at {list(index)}: {got:.6g}, oracle {want:.6g}, "
                                   f"ratio {got / want if want else float('nan'):.6g}); no single mistake reproduces it")
-    count, index, got, want = _first_difference(values, correct.values.cpu())
+    count, index, got, want = _first_difference(torch.where(want_scales.isnan(), correct.values.cpu(), values),
+                                                correct.values.cpu())
     return OperandExplanation("bytes", "", f"its scales are the recipe's but its fp8 values differ in {count} of "
                               f"{values.numel()} elements (first at {list(index)}: {got:g}, oracle {want:g}); no "
                               f"single mistake reproduces them")
@@ -172,16 +211,14 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
                                      f"the {recipe.name} recipe casts it to {cast.fp8}", category))
             continue
         want_shape = tuple(sources.view(spec.name, role, "same").shape)
-        if tuple(tensor.shape) != want_shape:
+        values = decoded_operand(tensor)
+        if tuple(values.shape) != want_shape:
             out.append(stage_finding(call.step, spec.name, operand, "bytes", f"{side} ({operand}) has shape "
-                                     f"{list(tensor.shape)} where the {recipe.name} oracle's operand is "
+                                     f"{list(values.shape)} where the {recipe.name} oracle's operand is "
                                      f"{list(want_shape)}", "transpose" if tensor.dim() == 2 else "crash"))
             continue
-        rows, inner = tensor.shape
-        kind = call.scaling[0 if role == "a" else 1] if call.scaling else "?"
-        scales = None if unit_form else _call_scales(kind, data.scale_a if role == "a" else data.scale_b, role,
-                                                     rows, inner)
-        values = tensor.detach().to(torch.float64).cpu()
+        rows, inner = values.shape
+        scales = None if unit_form else _recorded_scales(call, role, rows, inner)
         found = explain_operand(values, scales, cast, recipe, sources, spec.name, role)
         if found is not None and unit_scales and not unit_form and \
                 explain_operand(values, None, cast, recipe, sources, spec.name, role) is None:
@@ -202,6 +239,15 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
     return out
 
 
+def _recorded_scales(call: ScaledMMCall, role: str, rows: int, inner: int) -> torch.Tensor | None:
+    """The per-element inverse scales of the call's operand `role` (a, or b as B.T [rows, inner])."""
+    data = call.data
+    kind = call.scaling[0 if role == "a" else 1] if call.scaling else "?"
+    swizzle = call.swizzle[0 if role == "a" else 1] if call.swizzle else "NO_SWIZZLE"
+    return _call_scales(kind, data.scale_a if role == "a" else data.scale_b, role, rows, inner,
+                        swizzled=swizzle == "SWIZZLE_32_4_4", global_=data.global_a if role == "a" else data.global_b)
+
+
 def _computes_the_transpose(call: ScaledMMCall, b_as_rows: torch.Tensor, spec: Gemm, recipe: Recipe,
                             sources: OperandSources) -> bool:
     """Whether the call computes the GEMM's transpose, B^T A^T: its A holds exactly the oracle's B
@@ -209,19 +255,20 @@ def _computes_the_transpose(call: ScaledMMCall, b_as_rows: torch.Tensor, spec: G
     legitimate formulation, not an operand mistake; the result comes back transposed, and what
     the implementation makes of that is judged on the result (its strides: the contract)."""
     data = call.data
-    for call_role, tensor, scale, oracle_role, cast in (("a", data.a, data.scale_a, "b", spec.b),
-                                                        ("b", b_as_rows, data.scale_b, "a", spec.a)):
+    for call_role, tensor, oracle_role, cast in (("a", data.a, "b", spec.b), ("b", b_as_rows, "a", spec.a)):
         want = sources.view(spec.name, oracle_role, "same")
-        if tensor.dim() != 2 or tensor.dtype != FP8_DTYPES[cast.fp8] or want is None \
-                or tuple(tensor.shape) != tuple(want.shape):
+        if tensor.dim() != 2 or tensor.dtype != FP8_DTYPES[cast.fp8] or want is None:
             return False
-        rows, inner = tensor.shape
-        kind = call.scaling[0 if call_role == "a" else 1] if call.scaling else "?"
-        scales = _call_scales(kind, scale, call_role, rows, inner)
+        values = decoded_operand(tensor)
+        if tuple(values.shape) != tuple(want.shape):
+            return False
+        rows, inner = values.shape
+        scales = _recorded_scales(call, call_role, rows, inner)
         correct = quantize_mistaken(want, cast, recipe)
-        if correct is None or scales is None or not _same(tensor.detach().to(torch.float64).cpu(),
-                                                          correct.values.cpu()) \
-                or not _same(scales, _expanded(correct.inv_scale.cpu(), rows, inner)):
+        if correct is None or scales is None:
+            return False
+        want_scales = _expanded(correct.inv_scale.cpu(), rows, inner)
+        if not _same_values(values, correct.values.cpu(), want_scales) or not _same(scales, want_scales):
             return False
     return True
 

@@ -44,6 +44,10 @@ _V2_ARGS = ("a", "b", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b",
 # torch.nn.functional.ScalingType values, as aten._scaled_mm_v2 receives them
 V2_SCALINGS = {0: "TensorWise", 1: "RowWise", 2: "BlockWise1x16", 3: "BlockWise1x32", 4: "BlockWise1x128",
                5: "BlockWise128x128"}
+V2_SWIZZLES = {0: "NO_SWIZZLE", 1: "SWIZZLE_32_4_4"}  # torch.nn.functional.SwizzleType values
+# what the recorder calls a GEMM of torchao's MXTensor in its emulated mode (KernelPreference.EMULATED): no
+# scaled_mm call, an aten.mm of two MXTensors that dequantizes them; the operands are recorded as a call's
+MX_EMULATED = "mx_emulated"
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -67,6 +71,9 @@ class CallData:
     b: torch.Tensor
     scale_a: torch.Tensor
     scale_b: torch.Tensor
+    # NVFP4's second level: the per-tensor float32 scales of A and B (scale_a[1], scale_b[1] of the call)
+    global_a: torch.Tensor | None = None
+    global_b: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,9 @@ class ScaledMMCall:
     scale_strides: tuple = ((), ())
     step: int = 0
     data: CallData | None = field(default=None, compare=False, repr=False)
+    # (A's, B's) scale layouts, named as torch.nn.functional.SwizzleType (SWIZZLE_32_4_4, NO_SWIZZLE): the
+    # first entry of each; () where the call names none (_scaled_mm, and scaled_mm without swizzle)
+    swizzle: tuple = ()
     raised: bool = False  # the kernel rejected the call: no result came of it
     # what it raised (first line), for a reader: no decision reads it (ended_case tells the crash it caused)
     error: str = field(default="", compare=False)
@@ -134,13 +144,27 @@ def _guess_gemms(phase: str, a_shape: tuple, b_shape: tuple, M: int, K: int, N: 
 
 
 def _v1_scaling(a_shape, scale_a: torch.Tensor, b_shape, scale_b: torch.Tensor) -> tuple[str, str]:
-    """The scaling kinds torch._scaled_mm infers from the scale shapes (SM90: tensorwise or rowwise)."""
+    """The scaling kinds torch._scaled_mm infers from the scale shapes (SM90: tensorwise or rowwise) and, on
+    SM100, from the scale dtypes (e8m0: MXFP8's 1x32 blocks; e4m3 scales of fp4 operands: NVFP4's 1x16)."""
+    mx_kind = v1_mx_kind(scale_a, scale_b)
+    if mx_kind is not None:
+        return mx_kind, mx_kind
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return "TensorWise", "TensorWise"
     if len(a_shape) == 2 and len(b_shape) == 2 and tuple(scale_a.shape) == (a_shape[0], 1) \
             and tuple(scale_b.shape) == (1, b_shape[1]):
         return "RowWise", "RowWise"
     return "?", "?"
+
+
+def v1_mx_kind(scale_a: torch.Tensor, scale_b: torch.Tensor) -> str | None:
+    """The microscaled kind of a torch._scaled_mm call (its scales say it: torchao's MX GEMMs call it so), or None.
+    Its scales are swizzled: _scaled_mm takes no other layout for them."""
+    if scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu:
+        return "BlockWise1x32"
+    if scale_a.dtype == scale_b.dtype == torch.float8_e4m3fn and scale_a.numel() > 1:
+        return "BlockWise1x16"
+    return None
 
 
 def custom_op_kernel(func, args):
@@ -182,6 +206,8 @@ class ScaledMMRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(t not in _PLAIN_TYPES for t in types):
+            if func in _MM_OPS and len(args) >= 2 and all(_is_mx_tensor(arg) for arg in args[:2]):
+                self.calls.append(self._record_mx_tensors(args[0], args[1]))
             return NotImplemented
         if func in _V1_OPS or func in _V2_OPS:
             self.calls.append(self._record(func in _V2_OPS, args, kwargs))
@@ -211,27 +237,63 @@ class ScaledMMRecorder(TorchDispatchMode):
         bound = dict(zip(names, args))
         bound.update({("a" if k == "self" else "b" if k == "mat2" else k): v for k, v in kwargs.items()})
         a, b = bound["a"], bound["b"]
+        globals_, swizzle = (None, None), ()
         if v2:
             scale_a, scale_b = bound["scale_a"][0], bound["scale_b"][0]
             scaling = tuple(V2_SCALINGS.get(int(r[0]) if r else -1, "?") for r in (bound["recipe_a"],
                                                                                    bound["recipe_b"]))
+            globals_ = tuple(scales[1] if len(scales) > 1 else None for scales in (bound["scale_a"], bound["scale_b"]))
+            swizzles = (bound.get("swizzle_a") or (), bound.get("swizzle_b") or ())
+            swizzle = tuple(V2_SWIZZLES.get(int(z[0]), "?") if z else "NO_SWIZZLE" for z in swizzles) \
+                if any(swizzles) else ()
         else:
             scale_a, scale_b = bound["scale_a"], bound["scale_b"]
             scaling = _v1_scaling(tuple(a.shape), scale_a, tuple(b.shape), scale_b)
-        bias = bound.get("bias")
+            swizzle = ("SWIZZLE_32_4_4", "SWIZZLE_32_4_4") if scaling[0] in MX_CALLS else ()
+        return self._call(a, b, scale_a, scale_b, globals_, op="scaled_mm_v2" if v2 else "_scaled_mm",
+                          scaling=scaling, swizzle=swizzle, bias=bound.get("bias"), out_dtype=bound.get("out_dtype"),
+                          fast=bool(bound.get("use_fast_accum", False)))
+
+    def _record_mx_tensors(self, a, b) -> ScaledMMCall:
+        """An aten.mm of two torchao MXTensors (their emulated GEMM) as the call it stands for: the fp8
+        elements, and the e8m0 scales as [rows, K / 32] grids (B's for its columns), not swizzled."""
+        scaling = "BlockWise1x32" if a.block_size == 32 else "?"
+        return self._call(a.qdata, b.qdata, a.scale, b.scale.t(), (None, None), op=MX_EMULATED,
+                          scaling=(scaling, scaling), swizzle=("NO_SWIZZLE", "NO_SWIZZLE"), bias=None,
+                          out_dtype=a.orig_dtype, fast=False)
+
+    def _call(self, a, b, scale_a, scale_b, globals_, *, op, scaling, swizzle, bias, out_dtype, fast) -> ScaledMMCall:
         scale = lambda s: (tuple(s.shape), _dtype_name(s.dtype))  # noqa: E731
-        data = CallData(a.detach().clone(), b.detach().clone(), scale_a.detach().clone(),
-                        scale_b.detach().clone()) if self.keep_data else None
+        kept = (lambda t: None if t is None else t.detach().clone()) if self.keep_data else None  # noqa: E731
+        data = CallData(kept(a), kept(b), kept(scale_a), kept(scale_b), *map(kept, globals_)) if kept else None
         return ScaledMMCall(
-            phase=self.phase, gemms=_guess_gemms(self.phase, tuple(a.shape), tuple(b.shape), self.M, self.K, self.N),
+            phase=self.phase, gemms=_guess_gemms(self.phase, _logical(a), _logical(b), self.M, self.K, self.N),
             a_shape=tuple(a.shape), a_stride=tuple(a.stride()), a_dtype=_dtype_name(a.dtype), a_align=a.data_ptr() % 16,
             b_shape=tuple(b.shape), b_stride=tuple(b.stride()), b_dtype=_dtype_name(b.dtype), b_align=b.data_ptr() % 16,
             scale_a=scale(scale_a), scale_b=scale(scale_b),
             bias_dtype=None if bias is None else _dtype_name(bias.dtype),
-            out_dtype=_dtype_name(bound.get("out_dtype")), use_fast_accum=bool(bound.get("use_fast_accum", False)),
-            op="scaled_mm_v2" if v2 else "_scaled_mm", scaling=scaling,
+            out_dtype=_dtype_name(out_dtype), use_fast_accum=fast, op=op, scaling=scaling,
             scale_strides=(tuple(scale_a.stride()), tuple(scale_b.stride())), step=self.step, data=data,
+            swizzle=swizzle,
         )
+
+
+_MM_OPS = {aten.mm.default}
+
+
+def _is_mx_tensor(arg) -> bool:
+    """torchao's MXTensor (read by its attributes: torchao is not imported here)."""
+    return isinstance(arg, torch.Tensor) and all(hasattr(arg, name) for name in ("qdata", "scale", "block_size",
+                                                                                  "orig_dtype"))
+
+
+def _logical(t: torch.Tensor) -> tuple:
+    """A GEMM operand's logical shape: a packed fp4 tensor holds two elements per byte along the
+    contraction dim (its last dim for A, its first for B, which is stored column-major)."""
+    if t.dtype != torch.float4_e2m1fn_x2 or t.dim() != 2:
+        return tuple(t.shape)
+    rows, cols = t.shape
+    return (rows, 2 * cols) if t.stride(-1) == 1 else (2 * rows, cols)
 
 
 def _strided_as(shape: tuple, stride: tuple, want: tuple) -> bool:
@@ -264,6 +326,16 @@ class GpuRule(Word):
     B_UNALIGNED = "b_unaligned"
     BIAS_WITH_FLOAT32_OUT = "bias_with_float32_out"
     NO_OUT_DTYPE = "no_out_dtype"  # not an H100 rule: FP8 out, on any device
+    # SM100 (B200) rules of microscaled calls, from torch's _scaled_mm_v2 (ScaledBlas.cpp: check_mxfp8_recipe,
+    # check_nvfp4_recipe, _scaled_mxfp8_mxfp8, _scaled_nvfp4_nvfp4)
+    MX_ELEMENT_DTYPE = "mx_element_dtype"  # MXFP8: both operands float8_e4m3fn; NVFP4: both float4_e2m1fn_x2
+    MX_SCALE_DTYPE = "mx_scale_dtype"  # MXFP8: e8m0 scales; NVFP4: e4m3 block scales and a float32 global
+    A_MX_SCALE_SIZE = "a_mx_scale_size"  # scales padded to whole 128x4 tiles: round_up(rows,128)*round_up(K/b,4)
+    B_MX_SCALE_SIZE = "b_mx_scale_size"
+    A_NOT_SWIZZLED = "a_not_swizzled"  # SM100 takes SWIZZLE_32_4_4 scales only
+    B_NOT_SWIZZLED = "b_not_swizzled"
+    MX_SCALES_NOT_CONTIGUOUS = "mx_scales_not_contiguous"
+    FP4_FAST_ACCUM = "fp4_fast_accum"  # use_fast_accum raises with fp4 operands
 
 
 # What each rule is about: the operand (a | b | call) and the bug class a call that breaks it shows
@@ -279,8 +351,13 @@ RULES = {
     GpuRule.A_NOT_ROW_MAJOR: ("a", BugClass.LAYOUT), GpuRule.A_ROW_STRIDE: ("a", BugClass.LAYOUT),
     GpuRule.B_NOT_COLUMN_MAJOR: ("b", BugClass.LAYOUT), GpuRule.B_COLUMN_STRIDE: ("b", BugClass.LAYOUT),
     GpuRule.BIAS_WITH_FLOAT32_OUT: ("call", BugClass.CONTRACT), GpuRule.NO_OUT_DTYPE: ("call", BugClass.CONTRACT),
+    GpuRule.MX_ELEMENT_DTYPE: ("call", BugClass.FP8_DTYPE), GpuRule.MX_SCALE_DTYPE: ("call", BugClass.SCALE),
+    GpuRule.A_MX_SCALE_SIZE: ("a", BugClass.SCALE), GpuRule.B_MX_SCALE_SIZE: ("b", BugClass.SCALE),
+    GpuRule.A_NOT_SWIZZLED: ("a", BugClass.SCALE), GpuRule.B_NOT_SWIZZLED: ("b", BugClass.SCALE),
+    GpuRule.MX_SCALES_NOT_CONTIGUOUS: ("call", BugClass.SCALE), GpuRule.FP4_FAST_ACCUM: ("call", BugClass.CRASH),
 }
 ON_H100 = "would fail on H100: "
+SM100 = "SM100 (B200)"  # the GPU of the microscaled calls' rules (no Hopper runs them at all)
 
 
 @dataclass(frozen=True)
@@ -289,6 +366,7 @@ class GpuProblem:
 
     rule: GpuRule
     detail: str
+    gpu: str = "H100"  # the GPU whose kernel refuses it: a microscaled call's rules are SM100's (B200)
 
     @property
     def role(self) -> str:
@@ -301,7 +379,9 @@ class GpuProblem:
 
     @property
     def message(self) -> str:
-        return self.detail if self.rule is GpuRule.NO_OUT_DTYPE else ON_H100 + self.detail
+        if self.rule is GpuRule.NO_OUT_DTYPE:
+            return self.detail
+        return (ON_H100 if self.gpu == "H100" else f"would fail on {self.gpu}: ") + self.detail
 
     def __str__(self) -> str:
         return self.message
@@ -365,10 +445,54 @@ def _block_scale_problems(call: ScaledMMCall, M: int, K: int, N: int) -> list[Gp
     return problems
 
 
+# what a microscaled call's operands and scales must be on SM100: (element dtype, block, block-scale dtype)
+MX_CALLS = {"BlockWise1x32": ("float8_e4m3fn", 32, "float8_e8m0fnu"), "BlockWise1x16": ("float4_e2m1fn_x2", 16,
+                                                                                          "float8_e4m3fn")}
+
+
+def _mx_scale_problems(call: ScaledMMCall, M: int, K: int, N: int) -> list[GpuProblem]:
+    """The SM100 rules of an MXFP8 or NVFP4 call (torch's _scaled_mm_v2; see GpuRule): both operands of
+    the format, scales of its dtype padded to whole 128x4 tiles, swizzled and contiguous. M, K and N are
+    the call's shapes as stored (fp4: K counts bytes, two elements each)."""
+    element, block, scale_dtype = MX_CALLS[call.scaling[0]]
+    packing = 2 if element == "float4_e2m1fn_x2" else 1
+    problems = []
+    if call.a_dtype != element or call.b_dtype != element:
+        problems.append(GpuProblem(GpuRule.MX_ELEMENT_DTYPE, f"{call.scaling[0]} scaling takes {element} operands, "
+                                                             f"got {call.a_dtype} x {call.b_dtype}"))
+    (sa_shape, sa_dtype), (sb_shape, sb_dtype) = call.scale_a, call.scale_b
+    if sa_dtype != scale_dtype or sb_dtype != scale_dtype:
+        problems.append(GpuProblem(GpuRule.MX_SCALE_DTYPE, f"{call.scaling[0]} scales must be {scale_dtype}, got "
+                                                           f"{sa_dtype} and {sb_dtype}"))
+    blocks = -(-K * packing // block)
+    for rule, name, rows, shape in ((GpuRule.A_MX_SCALE_SIZE, "A", M, sa_shape),
+                                    (GpuRule.B_MX_SCALE_SIZE, "B", N, sb_shape)):
+        want = (-(-rows // 128) * 128) * (-(-blocks // 4) * 4)
+        if math.prod(shape) != want:
+            problems.append(GpuProblem(rule, f"the scales of {name} ({rows} rows x {blocks} blocks of {block}) must "
+                                             f"have {want} entries, padded to whole 128x4 tiles "
+                                             f"(round_up({rows}, 128) x round_up({blocks}, 4)), got {list(shape)}"))
+    for rule, name, swizzle in ((GpuRule.A_NOT_SWIZZLED, "scale_a", call.swizzle[:1]),
+                                (GpuRule.B_NOT_SWIZZLED, "scale_b", call.swizzle[1:])):
+        if swizzle != ("SWIZZLE_32_4_4",):
+            problems.append(GpuProblem(rule, f"{name} must be swizzled (SwizzleType.SWIZZLE_32_4_4), got "
+                                             f"{swizzle[0] if swizzle else 'no swizzle'}"))
+    strides = call.scale_strides or ((), ())
+    if any(stride and not _strided_as(shape, stride, _contiguous_strides(shape))
+           for shape, stride in zip((sa_shape, sb_shape), strides)):
+        problems.append(GpuProblem(GpuRule.MX_SCALES_NOT_CONTIGUOUS, f"block scales must be contiguous, got strides "
+                                                                     f"{strides[0]} and {strides[1]}"))
+    if call.use_fast_accum and packing == 2:
+        problems.append(GpuProblem(GpuRule.FP4_FAST_ACCUM, "use_fast_accum is not supported with float4 operands"))
+    return problems
+
+
 def _scale_problems(call: ScaledMMCall, M: int, K: int, N: int) -> list[GpuProblem]:
     """The scale rules of the call's scaling kinds (see the module docstring)."""
     (sa_shape, sa_dtype), (sb_shape, sb_dtype) = call.scale_a, call.scale_b
     kinds = call.scaling or ("?", "?")
+    if kinds[0] == kinds[1] and kinds[0] in MX_CALLS:
+        return _mx_scale_problems(call, M, K, N)
     if sa_dtype != "float32" or sb_dtype != "float32":
         return [GpuProblem(GpuRule.SCALES_NOT_FLOAT32, f"scales must be float32, got scale_a {sa_dtype} and "
                                                        f"scale_b {sb_dtype}")]
@@ -405,7 +529,17 @@ def _layout_problems(call: ScaledMMCall, M: int, K: int, Kb: int, N: int) -> lis
 
 def sm90_problems(call: ScaledMMCall) -> list[GpuProblem]:
     """What goes wrong with this call on an H100/H200; empty if nothing. Each rule was seen raising
-    on an H200 (torch 2.11, `python .ci/probe_scaled_mm.py`)."""
+    on an H200 (torch 2.11, `python .ci/probe_scaled_mm.py`). A microscaled call (MXFP8, NVFP4) is judged
+    by SM100's rules instead (the GPU that runs it; read from torch's source, not seen raising: no SM100
+    here); torchao's emulated MX GEMM (an aten.mm, op MX_EMULATED) calls no kernel: no rule applies."""
+    if call.op == MX_EMULATED:
+        return []
+    if call.scaling and call.scaling[0] == call.scaling[1] and call.scaling[0] in MX_CALLS:
+        return [replace(problem, gpu=SM100) for problem in _problems(call)]
+    return _problems(call)
+
+
+def _problems(call: ScaledMMCall) -> list[GpuProblem]:
     if len(call.a_shape) != 2 or len(call.b_shape) != 2:
         return [GpuProblem(GpuRule.NOT_2D, f"_scaled_mm takes 2-D operands, got A {call.a_shape} and B "
                                            f"{call.b_shape}")]

@@ -30,8 +30,8 @@ import os
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parity import hopper  # mmaemu itself is imported on the first modelled call
-from parity.contract import V2_SCALINGS, custom_op_kernel
+from parity import hopper, mx, oracles  # mmaemu itself is imported on the first modelled call
+from parity.contract import V2_SCALINGS, custom_op_kernel, v1_mx_kind
 from parity.names import CPU_GEMM_MODES
 
 aten = torch.ops.aten
@@ -107,21 +107,90 @@ def _fast_v2(call: dict) -> torch.Tensor | None:
                  out_dtype=call.get("out_dtype"), use_fast_accum=call.get("use_fast_accum", False))
 
 
+# ---- microscaled calls (MXFP8, NVFP4): SM100's GEMMs, served on a CPU ----------------------------------
+# torch 2.13 refuses block-scaled calls on a CPU ("CPU does not support swizzle"), so an implementation
+# written for SM100 could not run here. While the harness runs code on a CPU, its torch.nn.functional.
+# scaled_mm calls with BlockWise1x32 (e8m0) or [BlockWise1x16 (e4m3), TensorWise] scales are computed
+# here instead: the operands decoded (fp4 unpacked), the scales read in the layout the call declares
+# (swizzled, or [rows, K / block] as they are), and the exact emulation of parity.oracles.gemm (each
+# block's products summed exactly in float64, times its two scales, the blocks summed in float64), the
+# bias added, then one rounding to the output dtype: the MX-SPEC.md emulated GEMM. A call whose scales
+# do not fit its shapes raises a ValueError as torch's check does on SM100; the rest of what SM100 would
+# refuse (NO_SWIZZLE, strides) runs here and parity.contract's SM100 rules report it.
+
+MX_SCALINGS = {("BlockWise1x32",): ("e4m3", 32), ("BlockWise1x16", "TensorWise"): ("e2m1", 16)}
+
+
+def _mx_kind(call: dict) -> tuple[str, int] | None:
+    """(element format, block) of a microscaled _scaled_mm_v2 call, or None for another call."""
+    kinds = [tuple(V2_SCALINGS.get(int(r)) for r in call.get(name, ())) for name in ("recipe_a", "recipe_b")]
+    return MX_SCALINGS.get(kinds[0]) if kinds[0] == kinds[1] else None
+
+
+def _mx_operand(values: torch.Tensor, scales: list, swizzle, block: int, role: str) -> oracles.Quantized:
+    """One operand of a microscaled call as parity.oracles.Quantized, laid out [rows, inner] (B as B.T)."""
+    packed = values.t() if role == "b" else values
+    decoded = mx.unpack_e2m1(packed) if packed.dtype == torch.float4_e2m1fn_x2 else packed.to(torch.float64)
+    rows, inner = decoded.shape
+    if inner % block:
+        raise ValueError(f"scaled_mm: the inner dim {inner} of a {block}-element block-scaled operand is not a "
+                         f"whole number of blocks")
+    swizzled = bool(swizzle) and int(swizzle[0]) != 0
+    grid = (mx.unswizzled(scales[0], rows, inner // block) if swizzled else scales[0].reshape(rows, inner // block))
+    per_block = (mx.e8m0_values(grid) if grid.dtype == torch.float8_e8m0fnu else grid.to(torch.float64))
+    if len(scales) > 1:  # NVFP4's per-tensor scale: the decode scale of every block is s * global
+        per_block = per_block * scales[1].to(torch.float64).reshape(())
+    fmt = torch.float4_e2m1fn_x2 if packed.dtype == torch.float4_e2m1fn_x2 else packed.dtype
+    return oracles.Quantized(decoded, per_block, (1, block), fmt)
+
+
+def _as_v2(call: dict) -> dict:
+    """A torch._scaled_mm call with microscaled scales as the _scaled_mm_v2 call it stands for (swizzled scales)."""
+    kind = {"BlockWise1x32": 3, "BlockWise1x16": 2}[v1_mx_kind(call["scale_a"], call["scale_b"])]
+    return {**call, "scale_a": [call["scale_a"]], "scale_b": [call["scale_b"]], "recipe_a": [kind], "recipe_b": [kind],
+            "swizzle_a": [1], "swizzle_b": [1]}
+
+
+def mx_scaled_mm(call: dict) -> torch.Tensor:
+    """A microscaled aten._scaled_mm_v2 call (its arguments by schema name), computed exactly (see above)."""
+    _, block = _mx_kind(call)
+    try:
+        a = _mx_operand(call["a"], call["scale_a"], call.get("swizzle_a"), block, "a")
+        b = _mx_operand(call["b"], call["scale_b"], call.get("swizzle_b"), block, "b")
+    except (ValueError, RuntimeError) as err:
+        raise ValueError(f"scaled_mm (served on the CPU by parity.cpu_gemm, as SM100 would): {err}") from None
+    if a.values.shape[1] != b.values.shape[1]:
+        raise ValueError(f"scaled_mm: mat_a and mat_b shapes cannot be multiplied ({list(call['a'].shape)} and "
+                         f"{list(call['b'].shape)})")
+    value = oracles.gemm(a, b)
+    if call.get("bias") is not None:
+        value = value + call["bias"].to(torch.float64)
+    out_dtype = call.get("out_dtype") or torch.bfloat16
+    return value.to(out_dtype)
+
+
 class FastScaledMM(TorchDispatchMode):
-    """While active, CPU tensorwise and rowwise aten._scaled_mm calls run as an fp32 matmul."""
+    """While active, CPU tensorwise and rowwise aten._scaled_mm calls run as an fp32 matmul, and microscaled
+    _scaled_mm_v2 calls (MXFP8, NVFP4) run as their exact emulation (mx_scaled_mm)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(t not in _PLAIN_TYPES for t in types):
             return NotImplemented
         if func is aten._scaled_mm.default:
-            out = _fast(**_bound(_V1_NAMES, args, kwargs))
+            call = _bound(_V1_NAMES, args, kwargs)
+            if call["a"].device.type == "cpu" and v1_mx_kind(call["scale_a"], call["scale_b"]) is not None:
+                return mx_scaled_mm(_as_v2(call))
+            out = _fast(**call)
             if out is not None:
                 return out
         if hasattr(aten, "_scaled_mm_v2") and func is aten._scaled_mm_v2.default:
             # torch.nn.functional.scaled_mm: the same kernel as _scaled_mm for the calls it handles, so that an
             # implementation written with either API computes the same bits as its reference
-            out = _fast_v2(_bound(_V2_NAMES, args, kwargs))
+            call = _bound(_V2_NAMES, args, kwargs)
+            if call["a"].device.type == "cpu" and _mx_kind(call) is not None:
+                return mx_scaled_mm(call)
+            out = _fast_v2(call)
             if out is not None:
                 return out
         kernel = custom_op_kernel(func, args)
@@ -190,6 +259,12 @@ class HopperScaledMM(TorchDispatchMode):
         if any(t not in _PLAIN_TYPES for t in types):
             return NotImplemented
         v2 = hasattr(aten, "_scaled_mm_v2") and func is aten._scaled_mm_v2.default
+        if v2 and args[0].device.type == "cpu" and _mx_kind(_bound(_V2_NAMES, args, kwargs)) is not None:
+            return mx_scaled_mm(_bound(_V2_NAMES, args, kwargs))  # SM100's GEMMs: no Hopper model, the emulation
+        if func is aten._scaled_mm.default and args[0].device.type == "cpu":
+            call = _bound(_V1_NAMES, args, kwargs)
+            if v1_mx_kind(call["scale_a"], call["scale_b"]) is not None:
+                return mx_scaled_mm(_as_v2(call))
         if (func is aten._scaled_mm.default or v2) and args[0].device.type == "cpu" and args[0].dtype in _FP8:
             bound = _bound(_V2_NAMES if v2 else _V1_NAMES, args, kwargs)
             return _hopper_v2(bound) if v2 else _hopper_v1(**bound)

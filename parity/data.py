@@ -88,6 +88,10 @@ def sample(dist: Dist, shape: tuple[int, ...], generator: torch.Generator, *, ou
         return torch.randn(shape, generator=g) * 2.0 ** -16
     if dist is Dist.LARGE:
         return torch.randn(shape, generator=g) * 1000.0
+    if dist is Dist.NAN:
+        x = torch.randn(shape, generator=g)
+        x.view(-1)[int(torch.randint(x.numel(), (1,), generator=g))] = math.nan
+        return x
     if dist is Dist.NEGATIVE:
         x = -torch.randn(shape, generator=g).abs()
         flip = torch.rand(shape, generator=g) < 0.05
@@ -117,7 +121,7 @@ def _drawn_steps(case: Case) -> tuple[list[StepData], torch.Tensor | None]:
     # stay normal. With outliers in both operands of grad_weight, tensorwise FP8 loses all
     # accuracy in the one huge, cancelling product term, which says nothing about the code.
     # The same holds for a single huge token (outlier_row) and for a tiny activation amax.
-    activation_only = (Dist.OUTLIER, Dist.OUTLIER_ROW, Dist.TINY_AMAX, Dist.SMALL_AMAX, Dist.LARGE)
+    activation_only = (Dist.OUTLIER, Dist.OUTLIER_ROW, Dist.TINY_AMAX, Dist.SMALL_AMAX, Dist.LARGE, Dist.NAN)
     draw_param = (lambda shape: sample(Dist.NORMAL, shape, g)) if case.dist in activation_only else draw  # noqa: E731
     in_dtype, w_dtype = case.torch_input_dtype, case.torch_weight_dtype
     weight = draw_param((case.N, case.K))

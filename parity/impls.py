@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import os
 import sys
 import traceback
@@ -34,7 +35,7 @@ from torch import nn
 from parity import cpu_gemm, hopper
 from parity.cases import Layout
 from parity.hopper_oracle import hopper_matmul
-from parity.names import FSDP_FLOAT8_ALL_GATHER
+from parity.names import FSDP_FLOAT8_ALL_GATHER, family_recipes
 from parity.oracles import emulated_matmul
 from parity.sandbox import ProcessExit, exits_raise
 from parity.recipes import DEFAULT_RECIPE, FP8_RECIPES, RECIPES, Recipe, Scaling, get_recipe
@@ -333,20 +334,53 @@ def _torchao_fsdp_float8_all_gather() -> Impl:
     return dataclasses.replace(impl, name=FSDP_FLOAT8_ALL_GATHER, convert_kwargs=dict(config=config))
 
 
+def _torchao_mx_limits(case, device_type: str) -> str | None:
+    """torchao 0.18's MXFP8Linear takes one dtype, bf16 or fp32, and casts its operands as they are stored:
+    to_mx asserts contiguity, and only an N-D input stored transposed is copied (by its reshape) first."""
+    if case.input_dtype != case.weight_dtype or case.input_dtype not in ("bf16", "fp32"):
+        return ("torchao 0.18's MXFP8 layer casts bf16 or fp32 only (to_mx asserts it), and its emulated GEMM "
+                "multiplies the input and the weight in one dtype")
+    copied = case.input_layout is Layout.TRANSPOSED and len(case.lead) > 1 and math.prod(case.lead[:-1]) > 1
+    if case.weight_layout is not Layout.CONTIGUOUS or (case.input_layout is not Layout.CONTIGUOUS and not copied):
+        return "torchao 0.18's MXFP8 layer raises on a non-contiguous input or weight (AssertionError in to_mx)"
+    return None
+
+
+class _TorchaoMXFP8Linear:
+    """torchao 0.18's MXFP8Linear (torchao.prototype.moe_training.mxfp8_linear) in its EMULATED mode, the one
+    that runs without SM100: its casts are torch code (to_mx), its GEMMs multiply the dequantized operands
+    (MXTensor.dequantize, then mm in the input's dtype). The scale rule is set per recipe (from_float's)."""
+
+    @staticmethod
+    def from_float(linear: nn.Linear, *, rule: str) -> nn.Module:
+        mxfp8_linear = _quiet_import("torchao:mxfp8 needs torchao.prototype.moe_training.mxfp8_linear, which",
+                                     lambda: importlib.import_module("torchao.prototype.moe_training.mxfp8_linear"))
+        config = importlib.import_module("torchao.prototype.mx_formats.config")
+        preference = importlib.import_module("torchao.quantization.quantize_.common.kernel_preference")
+        module = mxfp8_linear.MXFP8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                          device="meta", kernel_preference=preference.KernelPreference.EMULATED,
+                                          scale_calculation_mode=config.ScaleCalculationMode(rule))
+        module.weight, module.bias = linear.weight, linear.bias
+        return module
+
+
 def _torchao(recipe: Recipe) -> Callable[[], Impl]:
-    """torchao's implementation of a recipe: its block-scaled prototype, or torchao.float8."""
+    """torchao's implementation of a recipe: its MXFP8 layer, its block-scaled prototype, or torchao.float8."""
+    if recipe.mx_rule is not None:
+        return lambda: Impl(f"torchao:{recipe.name}", Form.MODULE, _TorchaoMXFP8Linear, recipe=recipe,
+                            convert_kwargs=dict(rule=recipe.mx_rule), limits=_torchao_mx_limits)
     blocks = any(gemm.kind == "BlockWise" for gemm in recipe.gemms)
     return _torchao_blockwise(recipe) if blocks else _torchao_float8(recipe)
 
 
 BUILTINS: dict[str, Callable[[], Impl]] = {
     "fp8_impl": _fp8_impl(DEFAULT_RECIPE),
-    **{f"fp8_impl:{name}": _fp8_impl(RECIPES[name]) for name in FP8_RECIPES},
-    **{f"torchao:{name}": _torchao(RECIPES[name]) for name in FP8_RECIPES},
+    **{f"fp8_impl:{name}": _fp8_impl(RECIPES[name]) for name in family_recipes("fp8_impl")},
+    **{f"torchao:{name}": _torchao(RECIPES[name]) for name in family_recipes("torchao")},
     FSDP_FLOAT8_ALL_GATHER: _torchao_fsdp_float8_all_gather,
     "emulated": _emulated(DEFAULT_RECIPE),
     **{f"emulated:{name}": _emulated(RECIPES[name]) for name in FP8_RECIPES},
-    **{f"hopper:{name}": _hopper(RECIPES[name]) for name in FP8_RECIPES},
+    **{f"hopper:{name}": _hopper(RECIPES[name]) for name in family_recipes("hopper")},
     **{name: _reference(recipe) for name, recipe in RECIPES.items() if not recipe.is_fp8},
 }
 del BUILTINS["fp8_impl:tensorwise"]  # it is "fp8_impl"

@@ -26,7 +26,7 @@ import torch
 from parity import oracles
 from parity.oracles import Quantized
 from parity.recipes import BLOCK, FP8_FORMATS, Cast, Fp8Format, Recipe
-from parity.vocabulary import BugClass, Word
+from parity.vocabulary import BugClass, Detail, Word
 
 
 class OperandStage(Word):
@@ -80,6 +80,7 @@ class Hypothesis:
     source: Source = Source.SAME  # where the operand's values come from
     amax_source: Source = Source.SAME  # where its amax comes from: its values', or the previous call's
     also: tuple[tuple[OperandStage, Callable], ...] = ()  # further stages the same mistake changes
+    detail: Detail | None = None  # inside its bug class, what of a microscaled cast it is (parity.mx_mistakes)
 
     @property
     def category(self) -> BugClass:
@@ -102,7 +103,7 @@ def quantize_mistaken(source: torch.Tensor, cast: Cast, recipe: Recipe,
     cast), or None where the mistake cannot apply or changes nothing on this operand (nothing clipped,
     already in that precision, a tile that does not divide it)."""
     changes = {} if hypothesis is None else hypothesis.changes
-    stages = replace(oracles.CastStages(pow2=recipe.pow2_scales, via_reciprocal=recipe.reciprocal_scales),
+    stages = replace(oracles.recipe_stages(recipe),
                      **{stage.value: transform for stage, transform in changes.items() if stage in CAST_STAGES})
     try:
         if OperandStage.SOURCE in changes:
@@ -561,6 +562,10 @@ def hypothesis_families(cast: Cast, recipe: Recipe, rows: int, inner: int) -> di
 
 
 def operand_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> list[Hypothesis]:
-    """Every mistake tried on an operand cast with `cast` under `recipe`, laid out [rows, inner], in ORDER."""
+    """Every mistake tried on an operand cast with `cast` under `recipe`, laid out [rows, inner], in ORDER
+    (a microscaled cast: parity.mx_mistakes' space, which builds on this module: imported here)."""
+    if cast.scaling.microscaled:
+        from parity.mx_mistakes import mx_hypotheses
+        return mx_hypotheses(cast, recipe, rows, inner)
     families = hypothesis_families(cast, recipe, rows, inner)
     return [hypothesis for key in ORDER for hypothesis in families[key]]

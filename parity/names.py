@@ -18,7 +18,19 @@ from __future__ import annotations
 # ---- recipes (parity.recipes.RECIPES) --------------------------------------------------------------
 
 # the recipes whose GEMMs run in FP8, in the order of parity.recipes.RECIPES
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "mxfp8_floor", "nvfp4")
+# the block-scaled recipes of Blackwell's GEMMs (MXFP8, NVFP4)
+MX_RECIPES = ("mxfp8", "mxfp8_floor", "nvfp4")
+# the recipes a family of built-ins does not implement: no Hopper model computes a microscaled GEMM;
+# torchao 0.18's NVFP4 training (prototype.moe_training.nvfp4_training) is Triton-only, with stochastic
+# rounding and a Hadamard transform: not the nvfp4 recipe; fp8_impl implements MXFP8, not NVFP4
+NOT_IMPLEMENTED_BY = {"hopper": MX_RECIPES, "torchao": ("nvfp4",), "fp8_impl": ("nvfp4",)}
+
+
+def family_recipes(family: str) -> tuple[str, ...]:
+    """The FP8 recipes the built-in family (fp8_impl, torchao, emulated, hopper) implements, in order."""
+    return tuple(name for name in FP8_RECIPES if name not in NOT_IMPLEMENTED_BY.get(family, ()))
+
 # the high-precision ones: nn.Linear in a plain dtype, each also a built-in implementation
 HIGH_PRECISION_RECIPES = ("bf16", "fp64")
 
@@ -34,22 +46,22 @@ FSDP_FLOAT8_ALL_GATHER = "torchao:tensorwise+fsdp_float8_all_gather"
 # every built-in name, in the order of parity.impls.BUILTINS ("fp8_impl" is fp8_impl's tensorwise)
 BUILTIN_NAMES = (
     "fp8_impl",
-    *(f"fp8_impl:{name}" for name in FP8_RECIPES if name != "tensorwise"),
-    *(f"torchao:{name}" for name in FP8_RECIPES),
+    *(f"fp8_impl:{name}" for name in family_recipes("fp8_impl") if name != "tensorwise"),
+    *(f"torchao:{name}" for name in family_recipes("torchao")),
     FSDP_FLOAT8_ALL_GATHER,
     "emulated",
     *(f"emulated:{name}" for name in FP8_RECIPES),
-    *(f"hopper:{name}" for name in FP8_RECIPES),
+    *(f"hopper:{name}" for name in family_recipes("hopper")),
     *HIGH_PRECISION_RECIPES,
 )
 # what --help says of the built-ins (the families once, not every recipe of them)
 BUILTIN_HELP = {
     "fp8_impl": "this project's minimal Float8Linear (tensorwise; fp8_impl:RECIPE for the others)",
-    **{f"torchao:{name}": f"torchao, {name} recipe" for name in FP8_RECIPES},
+    **{f"torchao:{name}": f"torchao, {name} recipe" for name in family_recipes("torchao")},
     FSDP_FLOAT8_ALL_GATHER: "torchao, tensorwise, its weights all-gathered in FP8 under FSDP2",
     "emulated": "exact float64 emulation of a recipe's FP8 math (emulated:RECIPE; default tensorwise)",
     **{f"hopper:{name}": f"the {name} recipe as an H200 computes it, bit for bit (parity.hopper's model)"
-       for name in FP8_RECIPES},
+       for name in family_recipes("hopper")},
     "bf16": "nn.Linear in bfloat16",
     "fp64": "nn.Linear in float64",
 }

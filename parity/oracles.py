@@ -24,11 +24,13 @@ with the case's data cast to that dtype (see parity.impls).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
 
+from parity import mx
 from parity.recipes import DEFAULT_RECIPE, FP8_FORMATS, GEMMS, Cast, Fp8Format, Recipe, Scaling
 
 EPS = 1e-12  # the amax floor of torchao's amax_to_scale
@@ -135,35 +137,56 @@ class CastStages:
     scaled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = scaled_values
     saturation: Callable[[torch.Tensor, Fp8Format], torch.Tensor] = saturated
     inverse: Callable[[torch.Tensor], torch.Tensor] = inverse_of
+    mx_rule: str = mx.ScaleRule.RCEIL.value  # how a 1x32 cast rounds its E8M0 scale (Recipe.mx_rule)
+
+    def for_cast(self, cast: Cast) -> "CastStages":
+        """These stages with the float8 defaults swapped for the microscaled cast's own (parity.mx): a 1x32
+        scale is a power of two by the E8M0 rule; a 1x16 scale is the decode scale s * global, which the values
+        are divided by and the GEMM applies as it is. A stage a mistake replaced stays replaced."""
+        if not cast.scaling.microscaled:
+            return self
+        own = ({"scale": partial(mx.mxfp8_scale, rule=self.mx_rule)} if cast.scaling is Scaling.MX_1X32 else
+               {"scale": mx.nvfp4_scale, "scaled": mx.divided_by_decode_scale, "inverse": mx.unchanged})
+        defaults = {"scale": amax_to_scale, "scaled": scaled_values, "inverse": inverse_of}
+        return replace(self, **{name: stage for name, stage in own.items() if getattr(self, name) is defaults[name]})
 
     def cast(self, x: torch.Tensor, cast: Cast) -> Quantized:
         """`x` [rows, inner] (1-D: one row) cast with `cast`, emulated in float64."""
         x = x.reshape(1, -1) if x.dim() == 1 else x
         rows, inner = x.shape
-        fmt = self.fp8_format(cast)
+        stages = self.for_cast(cast)
+        fmt = stages.fp8_format(cast)
         if fmt is None:
             return Quantized(x.to(torch.float64), x.new_ones((1, 1), dtype=torch.float64), (rows, inner), None)
-        tile = self.tiles(cast, rows, inner)
+        tile = stages.tiles(cast, rows, inner)
+        if cast.scaling.microscaled:
+            mx.check_whole_blocks(inner, cast.scaling.tile(rows, inner)[1])
         groups = grouped(x, tile)
-        scale = self.scale(self.amax(groups), fmt.max, pow2=self.pow2, via_reciprocal=self.via_reciprocal)
-        values = self.saturation(self.scaled(groups, scale), fmt)
-        return Quantized(values.reshape(rows, inner), self.inverse(scale).to(torch.float64), tile, fmt.dtype)
+        scale = stages.scale(stages.amax(groups), fmt.max, pow2=stages.pow2, via_reciprocal=stages.via_reciprocal)
+        values = stages.saturation(stages.scaled(groups, scale), fmt)
+        return Quantized(values.reshape(rows, inner), stages.inverse(scale).to(torch.float64), tile, fmt.dtype)
 
 
 def scale_rounding(recipe: Recipe) -> dict:
     """quantize()'s keyword arguments for how `recipe` rounds its scales."""
-    return dict(pow2=recipe.pow2_scales, via_reciprocal=recipe.reciprocal_scales)
+    rounding = dict(pow2=recipe.pow2_scales, via_reciprocal=recipe.reciprocal_scales)
+    return {**rounding, "mx_rule": recipe.mx_rule} if recipe.mx_rule else rounding
+
+
+def recipe_stages(recipe: Recipe) -> CastStages:
+    """The recipe's own cast stages (its scale rounding), which parity.mistakes changes one at a time."""
+    return CastStages(**scale_rounding(recipe))
 
 
 def quantize(x: torch.Tensor, cast: Cast | torch.dtype, *, pow2: bool = False,
-             via_reciprocal: bool = False) -> Quantized:
+             via_reciprocal: bool = False, mx_rule: str = mx.ScaleRule.RCEIL.value) -> Quantized:
     """Dynamic scaling of the operand `x` [rows, inner] (1-D: one row) as the recipe casts it, emulated
-    in float64. `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise); `pow2` and
-    `via_reciprocal` are the recipe's scale rounding (scale_rounding). The wrong casts bisect tries
+    in float64. `cast` is a parity.recipes.Cast (or an fp8 dtype: tensorwise); `pow2`, `via_reciprocal`
+    and `mx_rule` are the recipe's scale rounding (scale_rounding). The wrong casts bisect tries
     are parity.mistakes'."""
     if isinstance(cast, torch.dtype):
         cast = Cast(Scaling.TENSORWISE, FORMATS[cast].name)
-    return CastStages(pow2=pow2, via_reciprocal=via_reciprocal).cast(x, cast)
+    return CastStages(pow2=pow2, via_reciprocal=via_reciprocal, mx_rule=mx_rule).cast(x, cast)
 
 
 def _block_of(a: Quantized, b: Quantized) -> int:

@@ -37,6 +37,7 @@ OPERANDS = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight
             "grad_weight": ("grad_output", "input")}
 INNER_DIM = {"output": "K", "grad_input": "N", "grad_weight": "M"}
 BLOCK = 128  # the side of DeepSeek-V3's scale tiles and blocks (1x128, 128x128)
+MX_BLOCK, NVFP4_BLOCK = 32, 16  # the blocks of MXFP8 and NVFP4 (parity.mx)
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,15 @@ class Fp8Format:
 # The one table of fp8 formats in parity/ (parity.oracles reads it by name and by dtype). fp8_impl/ keeps
 # its own constants on purpose: the oracle checks fp8_impl independently, so fp8_impl must not import parity.
 # Recipes cast to the OCP formats; ROCm's fnuz formats are among bisect's hypotheses (parity.mistakes).
+# NVFP4's elements are FP4 E2M1 (0.5 to 6, one mantissa bit), stored two per byte (torch.float4_e2m1fn_x2).
 FP8_FORMATS = {fmt.name: fmt for fmt in (
     Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, 3, -6),
     Fp8Format("e5m2", torch.float8_e5m2, 57344.0, 2, -14),
     Fp8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 3, -7),
     Fp8Format("e5m2fnuz", torch.float8_e5m2fnuz, 57344.0, 2, -15),
+    Fp8Format("e2m1", torch.float4_e2m1fn_x2, 6.0, 1, 0),
 )}
-FP8_DTYPES = {name: FP8_FORMATS[name].dtype for name in ("e4m3", "e5m2")}  # the formats a recipe casts to
+FP8_DTYPES = {name: FP8_FORMATS[name].dtype for name in ("e4m3", "e5m2", "e2m1")}  # the formats a recipe casts to
 
 
 class Scaling(str, enum.Enum):
@@ -69,12 +72,20 @@ class Scaling(str, enum.Enum):
     AXISWISE = "axiswise"  # one per row of A / per column of B (amax over the inner dim)
     BLOCK_1X128 = "1x128"  # one per row of A (column of B) per 128 elements of the inner dim
     BLOCK_128X128 = "128x128"  # one per 128x128 block
+    MX_1X32 = "1x32"  # MXFP8: one power-of-two E8M0 scale per 32 elements of the inner dim (parity.mx)
+    NV_1X16 = "1x16"  # NVFP4: one E4M3 scale per 16 elements of the inner dim, times one float32 per tensor
     NONE = "none"  # not quantized: the GEMM runs in high precision
 
     def tile(self, rows: int, inner: int) -> tuple[int, int]:
         """Elements sharing one scale, as (rows, inner) of the operand laid out [rows, inner]."""
         return {Scaling.TENSORWISE: (rows, inner), Scaling.AXISWISE: (1, inner), Scaling.BLOCK_1X128: (1, BLOCK),
-                Scaling.BLOCK_128X128: (BLOCK, BLOCK), Scaling.NONE: (rows, inner)}[self]
+                Scaling.BLOCK_128X128: (BLOCK, BLOCK), Scaling.MX_1X32: (1, MX_BLOCK),
+                Scaling.NV_1X16: (1, NVFP4_BLOCK), Scaling.NONE: (rows, inner)}[self]
+
+    @property
+    def microscaled(self) -> bool:
+        """A block-scaled format of Blackwell's GEMMs (MXFP8, NVFP4): scales of 32 or 16 elements (parity.mx)."""
+        return self in (Scaling.MX_1X32, Scaling.NV_1X16)
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,10 @@ class Gemm:
         kinds = {self.a.scaling, self.b.scaling}
         if Scaling.NONE in kinds:
             return "none"
+        if kinds == {Scaling.MX_1X32}:
+            return "BlockWise1x32"
+        if kinds == {Scaling.NV_1X16}:
+            return "BlockWise1x16"
         if kinds & {Scaling.BLOCK_1X128, Scaling.BLOCK_128X128}:
             return "BlockWise"
         return "RowWise" if Scaling.AXISWISE in kinds else "TensorWise"
@@ -143,7 +158,11 @@ class Gemm:
 # scales (rows, tiles) keep the relative precision of a format and change only what outliers do:
 # measured rowwise 28.5 and blockwise 28.6 dB on the H200. The result's rounding to bf16 adds
 # the 50.8 dB measured for bf16 nn.Linear against fp64.
-OPERAND_NOISE = {"e4m3": 10 ** (-31.5 / 10), "e5m2": 10 ** (-25.6 / 10), None: 0.0}
+# Microscaled casts (medians of the exact emulation over 40 Gaussian bf16 cases from 32 to 224, CPU,
+# 2026-12-07): MXFP8 with RCEIL 28.5 dB per GEMM, as tensorwise e4m3 (31.5 per operand); with FLOOR
+# 27.65 dB (30.7 per operand: amax mantissas above 1.75 saturate); NVFP4 17.4 dB (20.4 per e2m1 operand).
+OPERAND_NOISE = {"e4m3": 10 ** (-31.5 / 10), "e5m2": 10 ** (-25.6 / 10), "e4m3 floor": 10 ** (-30.7 / 10),
+                 "e2m1": 10 ** (-20.4 / 10), None: 0.0}
 OUTPUT_ROUNDING_NOISE = 10 ** (-50.8 / 10)
 # grad_bias is a high-precision sum of grad_output in every recipe: no FP8 cast touches it, so the
 # noise model above has nothing to predict, and its expected SQNR is a fixed, conservative value
@@ -174,6 +193,9 @@ class Recipe:
     # scales and multiplies the (power-of-two) scales in afterwards: the call's scales are ones
     unit_scales_without_fast_accum: bool = False
     high_precision: torch.dtype | None = None  # bf16/fp64 references: nn.Linear in this dtype
+    # how a 1x32 (MXFP8) cast picks its power-of-two E8M0 scale: "rceil" (cuBLAS's cast) or "floor" (OCP MX
+    # v1.0), the values of parity.mx.ScaleRule; None for the other recipes
+    mx_rule: str | None = None
     # the implementation a candidate of this recipe keeps bitwise parity with, per device type
     parity_reference: dict = field(default_factory=dict)
 
@@ -192,13 +214,20 @@ class Recipe:
         return self.high_precision is None
 
     @property
+    def microscaled(self) -> bool:
+        """A block-scaled recipe of Blackwell's GEMMs (MXFP8, NVFP4: parity.mx)."""
+        return any(cast.scaling.microscaled for gemm in self.gemms for cast in (gemm.a, gemm.b))
+
+    @property
     def alignment(self) -> int:
         """M, K and N must be multiples of this: 16 (cuBLASLt's FP8 GEMMs), 128 with block scales,
         1 for a high-precision reference."""
         if not self.is_fp8:
             return 1
         blocks = any(g.kind == "BlockWise" for g in self.gemms)
-        return BLOCK if blocks else 16
+        # MXFP8 and NVFP4 (MX-SPEC.md): dims in whole blocks of 32; NVFP4's blocks are 16 long, but torch's
+        # _scaled_mm_v2 needs the packed inner dim (K / 2 bytes of fp4) divisible by 16 too: K a multiple of 32
+        return BLOCK if blocks else MX_BLOCK if self.microscaled else 16
 
     def unsupported(self, M: int, K: int, N: int) -> str | None:
         """Why a case of these dims cannot run under this recipe, or None."""
@@ -216,7 +245,8 @@ class Recipe:
         if tensor == "grad_bias":
             return GRAD_BIAS_SQNR_DB
         gemm = self.gemm(tensor)
-        noise = OPERAND_NOISE[gemm.a.fp8] + OPERAND_NOISE[gemm.b.fp8] + OUTPUT_ROUNDING_NOISE
+        floor = " floor" if self.mx_rule == "floor" else ""
+        noise = sum(OPERAND_NOISE[cast.fp8 and cast.fp8 + floor] for cast in (gemm.a, gemm.b)) + OUTPUT_ROUNDING_NOISE
         return round(-10 * math.log10(noise), 1)
 
     def glue_bytes(self, M: int, K: int, N: int, *, hp_bytes: int = 2) -> int:
@@ -238,6 +268,7 @@ class Recipe:
 
     def short_str(self) -> str:
         extras = [*(["pow2 scales"] if self.pow2_scales else []),
+                  *([f"{self.mx_rule} e8m0 scales"] if self.mx_rule else []),
                   *(["scales via a float32 reciprocal"] if self.reciprocal_scales else []), f"dims % {self.alignment}"]
         return f"{self.name} ({'; '.join(g.short_str() for g in self.gemms)}; {', '.join(extras)})"
 
@@ -251,6 +282,13 @@ _T4, _T5 = Cast(Scaling.TENSORWISE, "e4m3"), Cast(Scaling.TENSORWISE, "e5m2")
 _A4 = Cast(Scaling.AXISWISE, "e4m3")
 _B1, _B128 = Cast(Scaling.BLOCK_1X128, "e4m3"), Cast(Scaling.BLOCK_128X128, "e4m3")
 _HP = Cast(Scaling.NONE, None)
+_MX, _NV = Cast(Scaling.MX_1X32, "e4m3"), Cast(Scaling.NV_1X16, "e2m1")
+# MXFP8 and NVFP4 as /work/wt/MX-SPEC.md fixes them (written from OCP MX v1.0 and NVIDIA's NVFP4
+# description, parity.mx): every operand of every GEMM blocked along that GEMM's inner dim (so input,
+# weight and grad_output are each cast twice, once per axis), no fast accumulation (cuBLAS ignores the
+# flag for block-scaled GEMMs), the results written in the output dtype. Their real GEMMs need SM100; the
+# exact emulation is the reference everywhere (torchao's MX layer is judged against it, not beside it)
+_MX_REFERENCE = {"cpu": "emulated:{}", "cuda": "emulated:{}"}
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("tensorwise", "one scale per tensor; e4m3 input and weight, e5m2 grad_output (torchao's default)",
@@ -270,6 +308,16 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            # (minutes for a check's hundred shapes), so checks compare with the exact emulation; its
            # bitwise parity with fp8_impl on the H200 is a GPU test (test_fp8_impl.py)
            parity_reference={"cpu": "emulated:blockwise", "cuda": "emulated:blockwise"}),
+    Recipe("mxfp8", "MXFP8 (OCP MX): 32-element blocks along each GEMM's inner dim, e4m3 elements, power-of-two "
+           "E8M0 scales rounded up (RCEIL, cuBLAS's cast)", _gemms((_MX, _MX, False), (_MX, _MX), (_MX, _MX)),
+           mx_rule="rceil", parity_reference={k: v.format("mxfp8") for k, v in _MX_REFERENCE.items()}),
+    Recipe("mxfp8_floor", "MXFP8 with OCP MX v1.0's FLOOR scale rule (floor(log2 amax) - 8; the largest elements "
+           "may saturate)", _gemms((_MX, _MX, False), (_MX, _MX), (_MX, _MX)), mx_rule="floor",
+           parity_reference={k: v.format("mxfp8_floor") for k, v in _MX_REFERENCE.items()}),
+    Recipe("nvfp4", "NVFP4: 16-element blocks along each GEMM's inner dim, e2m1 elements, an E4M3 scale per block "
+           "times a float32 scale per tensor (no stochastic rounding, no Hadamard transform)",
+           _gemms((_NV, _NV, False), (_NV, _NV), (_NV, _NV)),
+           parity_reference={k: v.format("nvfp4") for k, v in _MX_REFERENCE.items()}),
     Recipe("bf16", "nn.Linear in bfloat16", _gemms((_HP, _HP, False), (_HP, _HP), (_HP, _HP)),
            high_precision=torch.bfloat16),
     Recipe("fp64", "nn.Linear in float64", _gemms((_HP, _HP, False), (_HP, _HP), (_HP, _HP)),

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
-from parity.cases import ALIGNMENT, INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
+from parity.cases import ALIGNMENT, DRAWN_DISTS, INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
 
 OUTLIER_RATIOS = (100, 10, 1000)
 
@@ -59,7 +59,7 @@ def layouts(*, allowed: Sequence[str | Layout] = tuple(Layout)) -> st.SearchStra
     return st.sampled_from([Layout(a) for a in allowed])
 
 
-def distributions(*, allowed: Sequence[str | Dist] = tuple(Dist)) -> st.SearchStrategy[Dist]:
+def distributions(*, allowed: Sequence[str | Dist] = DRAWN_DISTS) -> st.SearchStrategy[Dist]:
     return st.sampled_from([Dist(d) for d in allowed])
 
 
@@ -78,7 +78,7 @@ class CaseBounds:
     input_dtypes: Sequence[str] = INPUT_DTYPES
     weight_dtypes: Sequence[str] = WEIGHT_DTYPES
     layouts_allowed: Sequence[str | Layout] = tuple(Layout)
-    dists: Sequence[str | Dist] = tuple(Dist)
+    dists: Sequence[str | Dist] = DRAWN_DISTS
     max_steps: int = 2
     bias: bool | None = None
     square: bool = False

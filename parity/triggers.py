@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from parity.cases import INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
+from parity.cases import DRAWN_DISTS, INPUT_DTYPES, WEIGHT_DTYPES, Case, Dist, Layout
 from parity.check import CheckPlan
 from parity.findings import Trigger
 from parity.localization import Localization, Outcome
@@ -23,8 +23,9 @@ from parity.vocabulary import Condition, Operand
 OutcomeOf = Callable[..., Outcome]  # (case, device, runner=...) -> what the plan's comparisons say
 
 
-def conditions(case: Case) -> list[tuple[Trigger, Case]]:
-    """(the trigger a condition of the case is, the case without that condition)."""
+def conditions(case: Case, alignment: int = 16) -> list[tuple[Trigger, Case]]:
+    """(the trigger a condition of the case is, the case without that condition); `alignment`, the plan's:
+    K != N is made with an N the recipe takes."""
     undo = []
     layouts = (("input_layout", Operand.INPUT), ("weight_layout", Operand.WEIGHT),
                ("grad_output_layout", Operand.GRAD_OUTPUT))
@@ -34,7 +35,7 @@ def conditions(case: Case) -> list[tuple[Trigger, Case]]:
             undo.append((Trigger(Condition.NON_CONTIGUOUS, operand, layout=layout.name.lower()),
                          case.replace(**{attr: Layout.CONTIGUOUS})))
     if case.K == case.N:
-        step = BLOCK if case.K % BLOCK == 0 else 16
+        step = BLOCK if case.K % BLOCK == 0 else max(16, alignment)
         undo.append((Trigger(Condition.K_EQUALS_N, Operand.WEIGHT), case.replace(N=case.N + step)))
     if len(case.lead) > 1:
         undo.append((Trigger(Condition.ND_INPUT, Operand.INPUT), case.replace(lead=(case.M,))))
@@ -62,7 +63,7 @@ def one_condition_more(case: Case, plan: CheckPlan, device: str) -> list[Case]:
     variants += [case.replace(N=case.K), case.replace(bias=True), case.replace(steps=2)]
     if len(case.lead) == 1:
         variants.append(case.replace(lead=(2, case.M // 2)))
-    variants += [case.replace(dist=dist) for dist in Dist]
+    variants += [case.replace(dist=dist) for dist in DRAWN_DISTS]
     return [v for v in dict.fromkeys(variants) if v != case and plan.unsupported(v, torch.device(device).type) is None]
 
 
@@ -75,7 +76,7 @@ def more_distributions(result: Localization, case: Case, device: str, outcome_of
     is tried on the same case, and those that fail too are named ("or with X data")."""
     if not _needs(result, Condition.DISTRIBUTION):
         return
-    for dist in Dist:
+    for dist in DRAWN_DISTS:
         if dist not in (case.dist, Dist.NORMAL) and outcome_of(case.replace(dist=dist), device).fails:
             other = case.replace(dist=dist)
             result.triggers.append(Trigger(Condition.DISTRIBUTION, dist=other.dist_token, alternative=True))
@@ -99,11 +100,11 @@ def more_dtypes(result: Localization, plan: CheckPlan, case: Case, device: str, 
 
 
 def flip_conditions(result: Localization, case: Case, base: Outcome, device: str,
-                    outcome_of: OutcomeOf) -> tuple[list[Trigger], list[tuple[Case, Outcome]]]:
+                    outcome_of: OutcomeOf, alignment: int = 16) -> tuple[list[Trigger], list[tuple[Case, Outcome]]]:
     """Each condition flipped alone: the numbers' triggers into `result`; returned, the crash's triggers
     and the cases that run without the crash (case, outcome)."""
     crash_triggers, running = [], []
-    for trigger, flipped in conditions(case):
+    for trigger, flipped in conditions(case, alignment):
         outcome = outcome_of(flipped, device)
         if not outcome.fails:
             result.triggers.append(trigger)

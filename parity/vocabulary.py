@@ -40,6 +40,17 @@ class BugClass(Word):
     UNKNOWN = "unknown"  # differs, and no hypothesis reproduces it
 
 
+class Detail(Word):
+    """Inside a bug class, what of a microscaled (MXFP8, NVFP4) cast went wrong (parity.mx_mistakes)."""
+
+    SCALE_ROUNDING = "scale_rounding"  # the block scale by another rule (FLOOR/RCEIL/CEIL), a binade off, clamped
+    BLOCK_AXIS = "block_axis"  # blocks along the other dim (dim0 where dim1 belongs) or of another length
+    SCALE_PADDING = "scale_padding"  # the scale tensor's padding to whole 128x4 tiles
+    SWIZZLE = "swizzle"  # the scale tensor's layout (cuBLAS's swizzled 32_4_4 or not)
+    NAN_HANDLING = "nan_handling"  # a NaN (or Inf) in a block and what its scale and elements become
+    ELEMENT_ROUNDING = "element_rounding"  # the elements' rounding onto the grid (saturation, zeros)
+
+
 class Operand(Word):
     """What a finding blames: a GEMM operand, the GEMM's result, the call itself."""
 

@@ -185,7 +185,7 @@ def test_root_linear_is_returned_converted():
 def test_config_recipes():
     assert Float8LinearConfig.from_recipe_name("tensorwise") == Float8LinearConfig()
     with pytest.raises(ValueError, match=r"knows the recipes \['tensorwise', 'rowwise', 'rowwise_with_gw_hp', "
-                                         r"'blockwise'\], got 'rowwize'"):
+                                         r"'blockwise', 'mxfp8', 'mxfp8_floor'\], got 'rowwize'"):
         Float8LinearConfig.from_recipe_name("rowwize")
     with pytest.raises(TypeError, match="fast_accum must be a bool"):
         fp8_impl.GemmConfig(fp8_impl.CastConfig(), fp8_impl.CastConfig(), fast_accum="yes")
@@ -197,6 +197,8 @@ def test_config_recipes():
     blockwise = Float8LinearConfig.from_recipe_name("blockwise")
     assert blockwise.alignment == 128 and Float8LinearConfig.from_recipe_name("rowwise").alignment == 16
     assert Float8LinearConfig.from_recipe_name("rowwise").round_scales_to_power_of_2
+    mxfp8, floor = (Float8LinearConfig.from_recipe_name(name) for name in ("mxfp8", "mxfp8_floor"))
+    assert mxfp8.alignment == floor.alignment == 32 and (mxfp8.mx_rule, floor.mx_rule) == ("rceil", "floor")
 
 
 def test_blockwise_needs_multiples_of_128():

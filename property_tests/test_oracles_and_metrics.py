@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import fp8_impl
 from fp8_impl import Float8LinearConfig
-from parity import oracles
+from parity import mx, oracles
 from parity.cases import Case
 from parity.impls import load_impl
 from parity.metrics import compare, describe_mismatch, ulp
@@ -55,12 +55,19 @@ def test_the_fp8_format_table_is_torchs():
     """parity's one table of fp8 formats agrees with torch on every format: its max, its smallest normal
     number and its mantissa bits (the grid points in [1, 2)); oracles.FORMATS is the same table by dtype."""
     for name, fmt in FP8_FORMATS.items():
+        if fmt.dtype == torch.float4_e2m1fn_x2:  # no finfo for packed fp4: its grid is parity.mx's table
+            grid = torch.tensor(mx.E2M1_GRID, dtype=torch.float64)
+            assert fmt.max == grid.max() and oracles.FORMATS[fmt.dtype] is fmt
+            assert torch.equal(oracles.round_to_fp8_grid(grid, fmt.dtype), grid)
+            assert 2.0 ** fmt.min_exponent == 1.0 and int(((grid >= 1) & (grid < 2)).sum()) == 2 ** fmt.mantissa_bits
+            continue
         finfo = torch.finfo(fmt.dtype)
         grid = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).to(torch.float32)
         assert fmt.name == name and oracles.FORMATS[fmt.dtype] is fmt
         assert fmt.max == finfo.max and 2.0 ** fmt.min_exponent == finfo.smallest_normal, name
         assert int(((grid >= 1) & (grid < 2)).sum()) == 2 ** fmt.mantissa_bits, name
-    assert FP8_DTYPES == {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # what recipes cast to
+    assert FP8_DTYPES == {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,  # what recipes cast to
+                          "e2m1": torch.float4_e2m1fn_x2}
 
 
 _T4, _T5, _A4 = Cast(Scaling.TENSORWISE, "e4m3"), Cast(Scaling.TENSORWISE, "e5m2"), Cast(Scaling.AXISWISE, "e4m3")
