@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 # Standard library and torch-free modules only: `fp8-parity --help` and a mistyped flag are answered
@@ -27,7 +27,8 @@ from pathlib import Path
 # property_tests/test_cli_latency.py keeps it so.
 from parity.commands import RUNS_YOUR_CODE, command
 from parity.exits import (EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERNAL, EXIT_PASS, EXIT_SIGNAL,
-                          EXIT_USAGE, CannotRun, Terminated, UsageError, interrupted_by)
+                          EXIT_USAGE, TRACEBACK_ENV, CannotRun, Terminated, UsageError, interrupted_by, one_line,
+                          traceback_requested)
 from parity.model_configs import MODELS
 from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_PRESET_SHAPES, BUILTIN_HELP,
                           BUILTIN_NAMES, CPU_GEMM_MODES, DEFAULT_BASELINE, DISTRIBUTED_MODES, FACTORY_PROTOCOL,
@@ -384,24 +385,27 @@ def main(argv: list[str] | None = None) -> int:
     # Bound before the try: a Ctrl-C or a failing import while _user_errors loads torch still ends in
     # one line (interrupted; an internal error), as inside a command.
     user_errors: tuple[type[Exception], ...] = (UsageError,)
+    show_traceback = False
     try:
+        show_traceback = traceback_requested()
         user_errors = _user_errors()
         return command(args.command)(args)
     except user_errors as err:
-        print(f"{name}: {err}", file=sys.stderr)
+        print(f"{name}: {one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except CannotRun as err:
-        print(f"{name}: cannot run here: {err}", file=sys.stderr)
+        print(f"{name}: cannot run here: {one_line(err)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     except KeyboardInterrupt as err:
         by = interrupted_by(err)
         print(f"{name}: interrupted by {by.name}; nothing was judged", file=sys.stderr)
         return EXIT_SIGNAL[by]
     except Exception as err:  # noqa: BLE001 - a bug of fp8-parity itself: one line, the traceback on request
-        if os.environ.get("FP8_PARITY_TRACEBACK"):
-            raise
-        print(f"{name}: internal error of fp8-parity: {type(err).__name__}: {err} (rerun with "
-              f"FP8_PARITY_TRACEBACK=1 for the traceback, and report it)", file=sys.stderr)
+        if show_traceback:  # printed, not re-raised: an uncaught exception exits 1, which reads as a violation
+            traceback.print_exc()
+        how = "the traceback is above" if show_traceback else f"rerun with {TRACEBACK_ENV}=1 for the traceback"
+        print(f"{name}: internal error of fp8-parity: {type(err).__name__}: {one_line(err)} ({how}, and report it)",
+              file=sys.stderr)
         return EXIT_INTERNAL
     finally:
         signal.signal(signal.SIGTERM, previous)

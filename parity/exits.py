@@ -1,7 +1,7 @@
 """The exit codes of `fp8-parity` and the exceptions a command raises to choose one.
 
 Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad usage or
-input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the traceback),
+input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the traceback too),
 4 `report` of an interrupted sweep's partial table in which nothing failed (not a pass: cases are
 missing), 125 cannot run here (e.g. a GPU-only command without a GPU; what `git bisect run` reads
 as "skip this commit"), 130 / 143 interrupted by SIGINT / SIGTERM.
@@ -13,6 +13,7 @@ module import it, and it imports neither.
 
 from __future__ import annotations
 
+import os
 import signal
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL, EXIT_INCOMPLETE, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4, 125
@@ -30,6 +31,35 @@ class CannotRun(Exception):
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like a Ctrl-C so that every command stops the same way (workers killed, partial
     results kept)."""
+
+
+TRACEBACK_ENV = "FP8_PARITY_TRACEBACK"
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+MESSAGE_CHARS = 600  # one printed error line at most: an exception can carry megabytes (a 50 MiB message)
+
+
+def traceback_requested() -> bool:
+    """Whether FP8_PARITY_TRACEBACK asks for the traceback of an internal error: 1, true, yes or on (any
+    case). 0, false, no, off and unset mean no; any other value is a UsageError (a typo must not turn it
+    on, nor silently off)."""
+    value = os.environ.get(TRACEBACK_ENV, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise UsageError(f"{TRACEBACK_ENV}={os.environ[TRACEBACK_ENV]!r}: expected 1 (show the traceback of an internal "
+                     f"error) or 0 (one line)")
+
+
+def one_line(text: object, limit: int = MESSAGE_CHARS) -> str:
+    """`text` as one line of at most about `limit` characters: line breaks become " / ", and a longer text
+    is cut and says how long it was (an exception's message may be megabytes long)."""
+    raw = str(text)
+    flat = " / ".join(part.strip() for part in raw[:2 * limit].splitlines() if part.strip())
+    if len(raw) <= 2 * limit and len(flat) <= limit:
+        return flat
+    return f"{flat[:limit]}... ({len(raw)} characters in all)"
 
 
 def interrupted_by(err: KeyboardInterrupt) -> signal.Signals:

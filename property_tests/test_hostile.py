@@ -106,6 +106,11 @@ IMPLEMENTATIONS: dict[str, Expect] = {
     "monkeypatch_F_linear": Expect(1, FAIL, STATE + r"torch.nn.functional.linear replaced"),
     "ret_nan": Expect(1, FAIL, r"\[nonfinite\] output \(step 0\): 256 NaN and 0 Inf where fp64 has 0 and 0"),
     "ret_inf_one": Expect(1, FAIL, r"\[nonfinite\] output \(step 0\): 0 NaN and 1 Inf where fp64 has 0 and 0"),
+    # issue 29: a message is one bounded line (MAX_OUTPUT holds the whole output under 20,000 characters)
+    "fwd_raises_50_mib": Expect(1, FAIL, CRASH + r"raised: step 0: forward: RuntimeError: x{600}\.\.\. \(52428800 "
+                                                 r"characters in all\)"),
+    "fwd_raises_many_lines": Expect(1, FAIL, CRASH + r"raised: step 0: forward: ValueError: first line of a long "
+                                                     r"report \(at "),
 }
 
 
@@ -248,6 +253,12 @@ BAD_INPUTS: dict[str, tuple[list[str], Expect]] = {
     "form bogus": (["check", "--impl", "bf16", "--form", "bogus"],
                    Expect(2, USAGE.format("check") + r"argument --form: invalid choice: 'bogus'")),
     "unknown command": (["frobnicate"], Expect(2, r"^fp8-parity: argument COMMAND: invalid choice: 'frobnicate'")),
+    # issue 29, items 12 and 14: an internal error deep in torch.Generator (exit 3); hours of steps past a SIGTERM
+    "case seed of 20 digits": (["check", "--impl", "bf16", "--case", "M16K16N16|seed99999999999999999999"],
+                               Expect(2, USAGE.format("check") + r"case: seed must be from 0 to 4294967295, got "
+                                                                 r"99999999999999999999$")),
+    "case of 10**8 steps": (["check", "--impl", "bf16", "--case", "M16K16N16|steps100000000"],
+                            Expect(2, USAGE.format("check") + r"case: steps must be from 1 to 64, got 100000000 ")),
 }
 CPU_ONLY = {  # what a machine without a GPU cannot do: exit 125 ("cannot run here"), not a failure
     "check on cuda": (["check", "--impl", "bf16", "--device", "cuda"],

@@ -117,3 +117,11 @@ def test_each_gpu_rule_says_what_it_is_about(changes, rule, role, category):
     assert (problem.role, problem.category) == (role, category)
     assert problem.message.startswith("no out_dtype" if rule is GpuRule.NO_OUT_DTYPE else "would fail on H100: ")
     assert set(RULES) == set(GpuRule)
+
+
+def test_an_enormous_exception_message_is_kept_as_one_bounded_line():
+    """Issue 29: a 50 MiB message was echoed whole (52 MB on stdout, twice that in --json)."""
+    from parity.exits import MESSAGE_CHARS
+    from parity.rows import Raised
+    raised = Raised(Phase.FORWARD, 0, "RuntimeError", "x" * (50 * 2**20))
+    assert len(str(raised)) < 2 * MESSAGE_CHARS and "52428800 characters in all" in raised.message
