@@ -5,8 +5,8 @@ code (parity.exits lists them).
 Every flag is validated before any work starts; a bad one is one line saying what, the value
 and the fix. Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad
 usage or input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the
-traceback), 4 `report` of an interrupted sweep's partial table in which nothing failed (not a
-pass: cases are missing), 125 cannot run here (e.g. a GPU-only command without a GPU; what `git
+traceback), 4 `report` of an interrupted sweep's partial table, or of an unverified one (no seal), in
+which nothing failed (not a pass: cases are missing, or may be), 125 cannot run here (e.g. a GPU-only command without a GPU; what `git
 bisect run` reads as "skip this commit"), 130 / 143 interrupted by SIGINT / SIGTERM.
 """
 
@@ -107,6 +107,12 @@ def _cpu_gemm_arg(parser: argparse.ArgumentParser) -> None:
                              "(torch's own CPU kernel)")
 
 
+def _force_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help=f"{what}; without it such a folder is refused, since the report's files (summary.md, "
+                             f"index.html, env.json, results.csv.gz, the plots) would replace files of those names")
+
+
 def _add_check(commands) -> None:
     check = commands.add_parser("check", help="search for a parity violation of an implementation",
                                 description="Compare an FP8 implementation with a reference, forward and backward, "
@@ -173,6 +179,8 @@ def _add_sweep(commands) -> None:
                             "large layers")
     sweep.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0)
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    _force_arg(sweep, "write into --out though it holds files fp8-parity did not write, an earlier run's report or "
+                      "an interrupted sweep's rows (without --resume: started over)")
 
 
 def _add_bisect(commands) -> None:
@@ -288,6 +296,12 @@ def _add_report(commands) -> None:
     report.add_argument("--out", type=Path, default=None,
                         help="report directory (default: the directory of RESULTS, whose table is not rewritten)")
     report.add_argument("--candidate", default="fp8_impl", help="whose parity the verdict judges")
+    report.add_argument("--unverified", action="store_true",
+                        help="report a table that carries no seal (its row count and checksum: written before "
+                             "fp8-parity sealed its tables, compressed again, or a plain CSV), headed UNVERIFIED; "
+                             "exit 4 where it would pass")
+    _force_arg(report, "write into --out (or beside the table) though it holds files fp8-parity did not write or "
+                       "another report's table")
 
 
 def _add_diff(commands) -> None:

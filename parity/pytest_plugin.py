@@ -46,6 +46,9 @@ from parity.cases import CaseError, SavedCase, check_fits, parse_case_id
 from parity.data import read_case_file
 from parity.env import environment
 from parity.exits import one_line
+from parity.folder_manifest import check_folder
+from parity.outputs import OutputError, check_writable_dir
+from parity.results_file import EARLIER_REPORT
 from parity.impls import ImplError
 from parity.recipes import RecipeError
 from parity.rows import frame as rows_frame
@@ -115,6 +118,13 @@ def pytest_configure(config):
         settings.register_profile("fp8-rerun", parent=settings.get_profile(profile), max_examples=1,
                                   phases=[Phase.generate])
         settings.load_profile("fp8-rerun")
+    report = config.getoption("--fp8-report")
+    if report:  # refused now, not after the suite ran: a folder of the user's own files, or an earlier report
+        try:
+            check_writable_dir(report, option="--fp8-report")
+            check_folder(report, option="--fp8-report", force=None, protected=EARLIER_REPORT)
+        except OutputError as err:
+            raise pytest.UsageError(str(err)) from None
     impl = config.getoption("--fp8-impl")
     if impl and not config.option.file_or_dir:  # `pytest --fp8-impl X`: the shipped suite
         try:

@@ -287,7 +287,7 @@ def test_what_needs_a_gpu_says_it_cannot_run_here(name, inputs):
 
 
 def test_the_corpus_size_in_the_readme_is_the_count_of_the_corpus():
-    count = len(IMPLEMENTATIONS) + len(BAD_INPUTS) + len(CPU_ONLY)
+    count = len(IMPLEMENTATIONS) + len(BAD_INPUTS) + len(CPU_ONLY) + len(FILES)
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert f"{count} hostile inputs, {count} handled" in readme
 
@@ -362,3 +362,57 @@ def test_a_cuda_error_is_a_finding_of_its_case_and_later_cases_still_run():
     for M in (16, 48):
         assert not any(row.error or row.reference_error for row in rows[M]), rows[M]
         assert plan.judge(rows[M]) == [], plan.judge(rows[M])
+
+
+# ---- hostile files and folders (evals/hostile/files.json; issue 29, items 8, 10, 11, 14) -----------------------
+
+FILES = json.loads((HOSTILE / "files.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def two_reports(tmp_path_factory) -> tuple[Path, Path]:
+    """Two sealed report folders of bf16 against fp64, 80 cases (a table of about 100 KB): `passing`, and
+    `failing`, the same rows but for its last case's, whose SQNR is 1 dB (below the floor)."""
+    root = tmp_path_factory.mktemp("reports")
+    base = run_cases([Case(lead=(16,), K=16, N=16), Case(lead=(32,), K=16, N=16)],
+                     all_pairs([load_impl("bf16")], [load_impl("fp64")]))
+    frame = pd.concat([base.assign(case_id=base["case_id"].str.replace("seed0", f"seed{seed}"), seed=seed)
+                       for seed in range(40)], ignore_index=True)
+    failing = frame.copy()
+    failing.loc[failing["case_id"] == failing["case_id"].iloc[-1], "sqnr_db"] = 1.0
+    for name, table in {"passing": frame, "failing": failing}.items():
+        write_report(table, root / name, title=name, candidate="bf16", plots=False)
+    return root / "passing", root / "failing"
+
+
+def _state(root: Path) -> dict[str, tuple]:
+    """Every path under `root` that no fp8-parity manifest lists: its kind and, for a file, its bytes."""
+    from parity.folder_manifest import MANIFEST_FILE, read_manifest
+    state = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink() and (path.name == MANIFEST_FILE or path.name in (
+                read_manifest(path.parent) or {})):
+            continue
+        kind = "link" if path.is_symlink() else "fifo" if path.is_fifo() else "dir" if path.is_dir() else "file"
+        state[str(path.relative_to(root))] = (kind, path.read_bytes() if kind == "file" else None)
+    return state
+
+
+def test_every_hostile_file_has_a_builder():
+    from evals.hostile import files
+    assert all(callable(getattr(files, entry["build"], None)) for entry in FILES)
+    assert len({entry["name"] for entry in FILES}) == len(FILES)
+
+
+@pytest.mark.parametrize("entry", FILES, ids=[entry["name"] for entry in FILES])
+def test_hostile_file(entry, two_reports, tmp_path):
+    """Each command on its hostile file or folder: its exit code and one first line, no traceback, and no file
+    fp8-parity did not write changed (a pipe stays a pipe, a link a link, the user's summary.md theirs)."""
+    from evals.hostile import files
+    named = getattr(files, entry["build"])(tmp_path, *two_reports)
+    before = _state(tmp_path)
+    text = assert_outcome([a.format(root=tmp_path, **named) for a in entry["argv"]],
+                          Expect(entry["code"], entry["first"]))
+    if entry["code"] == 2:
+        assert len(text.strip().splitlines()) == 1, text
+    assert _state(tmp_path) == before
