@@ -297,6 +297,18 @@ def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT) -> tuple[Case, ...]
     )
 
 
+# The case of a layer's size that `check` runs once its search of small cases found nothing: a bug that shows only
+# past a size (a tile or split boundary of K, a second block of rows, an offset that overflows) passed every case
+# of at most 256 (issue 29, item 9: wrong only when M > 512, or when K > 256). Every dim a multiple of 128, the
+# largest alignment of any recipe; N kept small, since float64 references cost M*K*N (about 4 s of a CPU check).
+LAYER_SHAPE = dict(lead=(1024,), K=1024, N=128)
+
+
+def layer_case(*, seed: int = 0) -> Case:
+    """One case of a real layer's size (LAYER_SHAPE), plain otherwise: bf16, contiguous, normal data."""
+    return Case(seed=seed, **LAYER_SHAPE)
+
+
 def simplifications(case: Case, *, alignment: int = ALIGNMENT):
     """One-step simplifications of `case`, as (what changed, simpler case), simplest first,
     keeping every dim a multiple of `alignment`.

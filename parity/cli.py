@@ -2,12 +2,13 @@
 the command's body (parity.commands names the module of each) and maps what it raised to an exit
 code (parity.exits lists them).
 
-Every flag is validated before any work starts; a bad one is one line saying what, the value
-and the fix. Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad
-usage or input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the
-traceback), 4 `report` of an interrupted sweep's partial table, or of an unverified one (no seal), in
-which nothing failed (not a pass: cases are missing, or may be), 125 cannot run here (e.g. a GPU-only command without a GPU; what `git
-bisect run` reads as "skip this commit"), 130 / 143 interrupted by SIGINT / SIGTERM.
+Every flag is validated before any work starts; a bad one is one line saying what, the value and the
+fix. Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad usage or
+input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the traceback), 4
+`report` of an interrupted sweep's partial table, or of an unverified one (no seal), in which
+nothing failed (not a pass: cases are missing, or may be), 125 cannot run here (e.g. a GPU-only
+command without a GPU; what `git bisect run` reads as "skip this commit"), 130 / 143 interrupted by
+SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _add_check(commands) -> None:
     check.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
                        help="hypothesis cases to try (default 100)")
     check.add_argument("--max-dim", type=_count(16, 16384, "--max-dim 256"), default=256,
-                       help="largest K and N generated (default 256)")
+                       help="largest M, K and N generated (default 256; the verdict says the largest that ran)")
     check.add_argument("--case", action="append", default=None, metavar="CASE_ID",
                        help="run exactly this case (repeatable) instead of searching")
     check.add_argument("--case-file", type=Path, default=None, metavar="PATH",

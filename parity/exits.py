@@ -1,10 +1,11 @@
 """The exit codes of `fp8-parity` and the exceptions a command raises to choose one.
 
-Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad usage or
-input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the traceback too),
-4 `report` of an interrupted sweep's partial table, or of an unverified one (no seal), in which nothing
-failed (not a pass: cases are missing, or may be), 125 cannot run here (e.g. a GPU-only command without a GPU; what `git bisect run` reads
-as "skip this commit"), 130 / 143 interrupted by SIGINT / SIGTERM.
+Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad usage or input,
+3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the traceback too), 4
+`report` of an interrupted sweep's partial table, or of an unverified one (no seal), in which
+nothing failed (not a pass: cases are missing, or may be), 125 cannot run here (e.g. a GPU-only
+command without a GPU; what `git bisect run` reads as "skip this commit"), 130 / 143 interrupted by
+SIGINT / SIGTERM.
 
 parity.cli.main turns UsageError into 2 and CannotRun into 125, each as one line; the command
 modules (parity.cmd_*) return the others. Standard library only: parity.cli and every command

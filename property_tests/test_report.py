@@ -613,3 +613,11 @@ def test_report_of_a_report_folder_writes_into_it_and_nowhere_else(report, tmp_p
     assert main(["report", str(tmp_path / "rep"), "--candidate", "bf16"]) in (0, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "summary.md"]
     assert (tmp_path / "summary.md").read_text() == "mine\n"
+
+
+def test_a_passing_verdict_states_what_its_cases_covered(results):
+    """Issue 29, item 9: a pass says the largest M, K, N, the dtypes and layouts that ran (here two tiny cases)."""
+    judged = verdict(results)
+    assert judged.ok and judged.headline.endswith(
+        ". Covered: M <= 16, K <= 32, N <= 16, input bf16, weight bf16, layouts C/T, 2-D/3-D input, with and without "
+        "bias, up to 1 call, 2 of 13 data distributions"), judged.headline

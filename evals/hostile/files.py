@@ -1,12 +1,13 @@
-"""Hostile files and folders for fp8-parity's readers and writers (issue 29, items 8, 10, 11, 14).
+"""Hostile files and folders for fp8-parity's readers and writers (issue 29, items 8, 9, 10, 11, 14).
 
 Each builder below makes, under `root`, the files one entry of `files.json` (next to this file)
 runs a command on: a results table cut short and compressed again, a table with text in a number
 column, two gzip members, an env.json or partial.json that is not what fp8-parity writes, an output
 path that is a pipe or a link to /dev/null, a folder of the user's own files where a report would
-land. A builder gets two report folders fp8-parity wrote (parity.report.write_report): `passing`
-(every judged row within its policy) and `failing` (the same cases and one more whose rows fail),
-copies what it needs, and returns the paths the command's text names ({name} in files.json).
+land; or names the layers of large_only.py, wrong only past a size a small search draws. A builder
+gets two report folders fp8-parity wrote (parity.report.write_report): `passing` (every judged row
+within its policy) and `failing` (the same rows but for its last case's, which fail), copies what it
+needs, and returns the paths the command's text names ({name} in files.json).
 
 Every command must end with its exit code and first line, no traceback, and every file that
 existed before it and that fp8-parity did not write (no fp8-parity-manifest.json lists it) the
@@ -174,6 +175,11 @@ def report_folder_edited_by_hand(root: Path, passing: Path, failing: Path) -> di
         summary.write("\nMy conclusions, written by hand.\n")
     assert (root / "edited_report" / MANIFEST_FILE).is_file()
     return {"dir": root / "edited_report"}
+
+
+def layers_wrong_past_a_size(root: Path, passing: Path, failing: Path) -> dict:
+    """No file: the layers of large_only.py (next to this file), right at every size a small search draws."""
+    return {"layers": Path(__file__).with_name("large_only.py")}
 
 
 def nothing(root: Path, passing: Path, failing: Path) -> dict:
