@@ -24,6 +24,7 @@ from hypothesis.errors import NoSuchExample
 from parity.cases import Case, edge_cases, layer_case, shrink
 from parity.coverage import covered
 from parity.env import environment
+from parity.exits import raise_if_stopped
 from parity.impls import Impl, ImplError, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
@@ -171,6 +172,7 @@ class _Check:
         self.hung_on: Case | None = None  # the case the candidate ran past its time limit on
 
     def rows_of(self, case: Case) -> list[Row]:
+        raise_if_stopped()  # a Ctrl-C or SIGTERM whose exception was lost stops the check here (parity.exits)
         return run_case_isolated(case, self.plan.comparisons, device=self.device, runner=self.runner,
                                  time_limit=self.settings.time_limit)
 

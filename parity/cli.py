@@ -28,8 +28,8 @@ from pathlib import Path
 # property_tests/test_cli_latency.py keeps it so.
 from parity.commands import RUNS_YOUR_CODE, command
 from parity.exits import (EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERNAL, EXIT_PASS, EXIT_SIGNAL,
-                          EXIT_USAGE, TRACEBACK_ENV, CannotRun, Terminated, UsageError, interrupted_by, one_line,
-                          traceback_requested)
+                          EXIT_USAGE, TRACEBACK_ENV, CannotRun, UsageError, clear_stops, interrupted_by, one_line,
+                          quiet_lost_stops, stop_on_signal, stopped_by, traceback_requested)
 from parity.model_configs import MODELS
 from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_PRESET_SHAPES, BUILTIN_HELP,
                           BUILTIN_NAMES, CPU_GEMM_MODES, DEFAULT_BASELINE, DISTRIBUTED_MODES, FACTORY_PROTOCOL,
@@ -361,10 +361,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
 def _warm_up_workers(args) -> None:
     """Start the workers a command that runs your code will need (parity.entry started them already
     when it could tell from the raw arguments; the parsed ones decide here)."""
@@ -395,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     name = f"fp8-parity {args.command}"
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    clear_stops()
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, quiet_lost_stops(sys.unraisablehook)
     _warm_up_workers(args)
     # Bound before the try: a Ctrl-C or a failing import while _user_errors loads torch still ends in
     # one line (interrupted; an internal error), as inside a command.
@@ -404,7 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         show_traceback = traceback_requested()
         user_errors = _user_errors()
-        return command(args.command)(args)
+        code = command(args.command)(args)
+        by = stopped_by()
+        if by is not None and code not in EXIT_SIGNAL.values():  # its exception was lost: the verdict does not count
+            print(f"{name}: interrupted by {by.name}; what it printed is void", file=sys.stderr)
+            return EXIT_SIGNAL[by]
+        return code
     except user_errors as err:
         print(f"{name}: {one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
@@ -423,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_INTERNAL
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.unraisablehook = previous_hook
 
 
 if __name__ == "__main__":

@@ -63,6 +63,47 @@ def one_line(text: object, limit: int = MESSAGE_CHARS) -> str:
     return f"{flat[:limit]}... ({len(raw)} characters in all)"
 
 
+# The stop signals this process received (parity.cli.main's handler records each before it raises). Python runs
+# a handler between two bytecodes of the main thread, wherever that is: inside an object's __del__ or a weakref
+# callback the exception it raises is printed as "Exception ignored" and lost, and the run would go on to a
+# verdict (issue 29: a check given SIGTERM printed PASS and exited 0 ten minutes later). The record is not lost:
+# loops call raise_if_stopped between cases, and cli.main turns any verdict reached after a signal into 130/143.
+_STOPS: list[signal.Signals] = []
+
+
+def stop_on_signal(signum: int, frame) -> None:
+    """The SIGINT and SIGTERM handler of fp8-parity's commands: record the signal, then raise KeyboardInterrupt
+    (Terminated for SIGTERM), so that every command stops the same way (workers killed, partial results kept)."""
+    _STOPS.append(signal.Signals(signum))
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def quiet_lost_stops(previous_hook):
+    """A sys.unraisablehook that says nothing of a stop signal's exception Python could not raise (the handler
+    ran inside a finalizer or a gc callback, hypothesis's among them: "Exception ignored ... Traceback" reached
+    the user) and passes everything else to `previous_hook`: the signal is recorded and acted on anyway."""
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and _STOPS):
+            previous_hook(unraisable)
+    return hook
+
+
+def stopped_by() -> signal.Signals | None:
+    """The first stop signal received since clear_stops (None: none)."""
+    return _STOPS[0] if _STOPS else None
+
+
+def raise_if_stopped() -> None:
+    """Raise the interrupt of a stop signal received since clear_stops again: its first exception may have been
+    lost (see _STOPS). Called between cases, where a run can stop cleanly."""
+    if _STOPS:
+        raise Terminated() if _STOPS[0] == signal.SIGTERM else KeyboardInterrupt()
+
+
+def clear_stops() -> None:
+    _STOPS.clear()
+
+
 def interrupted_by(err: KeyboardInterrupt) -> signal.Signals:
     """The signal that stopped a command: SIGTERM (Terminated) or SIGINT (a Ctrl-C)."""
     return signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT

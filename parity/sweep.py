@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from parity.cases import Case, Dist, Layout, edge_cases
 from parity.env import environment
+from parity.exits import raise_if_stopped
 from parity.impls import Impl, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.names import SWEEP_DEFAULT_IMPLS, SWEEP_PRESET_DESCRIPTIONS
 from parity.policy import Policy, default_policy
@@ -225,6 +226,7 @@ def run_sweep(labelled_cases: Sequence[tuple[str, Case]], comparisons: Sequence[
     try:
         with isolation(comparisons, device, isolate) as runner:
             for label, case in todo:
+                raise_if_stopped()  # a Ctrl-C or SIGTERM whose exception was lost stops the sweep here (parity.exits)
                 ran = run_case_isolated(case, comparisons, device=device, runner=runner, time_limit=time_limit)
                 rows.extend(row.but(shape=label) for row in ran)  # one step: an interrupt never leaves half a case
                 count += 1

@@ -4,6 +4,9 @@ exception exits 1, which reads as a violation), and every printed error one boun
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from parity import cli
@@ -64,3 +67,35 @@ def test_one_line_keeps_short_text_and_joins_lines(text, expected):
 def test_one_line_cuts_a_long_text_and_says_how_long_it_was():
     cut = one_line("z" * 5000, limit=100)
     assert cut == "z" * 100 + "... (5000 characters in all)"
+
+
+class _SignalledWhenCollected:
+    """An object whose finalizer receives SIGTERM: the handler's exception is raised inside __del__, where
+    Python prints "Exception ignored" and goes on (how a check given SIGTERM went on to PASS, exit 0)."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(1000))  # a few bytecodes, at which the handler runs
+
+
+def test_a_stop_signal_whose_exception_was_lost_never_ends_in_a_verdict(monkeypatch, capsys):
+    def command(args):
+        _SignalledWhenCollected()  # collected at once: the signal arrives inside its __del__
+        print("PASS: everything")
+        return 0
+
+    monkeypatch.setattr(cli, "command", lambda name: command)
+    assert cli.main(["report", "nothere"]) == 143
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["fp8-parity report: interrupted by SIGTERM; what it printed is void"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+
+
+def test_a_check_stops_at_its_next_case_after_a_lost_stop_signal(monkeypatch):
+    from parity import exits
+    from parity.check import CheckPlan, run_check
+    from parity.exits import Terminated
+    from parity.impls import load_impl
+    monkeypatch.setattr(exits, "_STOPS", [signal.SIGTERM])
+    with pytest.raises(Terminated):
+        run_check(CheckPlan.make(load_impl("bf16"), device="cpu"), device="cpu", max_examples=1)
