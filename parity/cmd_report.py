@@ -73,11 +73,10 @@ def _protected(out: Path, new_table: bytes | None) -> dict[str, str]:
     written) and an interrupted sweep's rows, when it writes a table there."""
     if new_table is None:
         return {}
-    protected = {PARTIAL_TABLE: "the rows of an interrupted sweep (`fp8-parity sweep --out DIR --resume` "
-                                "continues it)"}
+    protected = {PARTIAL_TABLE: "the rows of an interrupted sweep (`fp8-parity sweep --resume` continues it)"}
     existing = out / RESULTS_FILE
     if not (existing.is_file() and existing.read_bytes() == new_table):
-        protected[RESULTS_FILE] = "the results table of another report"
+        protected[RESULTS_FILE] = "another report's results"
     return protected
 
 

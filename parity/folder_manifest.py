@@ -160,4 +160,4 @@ def check_folder(directory: str | Path, *, option: str = "--out", force: bool | 
                           f"{'it' if len(found.changed) == 1 else 'them'}: {how}")
     for name, what in (protected or {}).items():
         if (directory / name).exists():
-            raise OutputError(f"{option} {directory}: it holds {what} ({name}), which this run would replace: {how}")
+            raise OutputError(f"{option} {directory}: its {name} holds {what}, which this run would replace: {how}")

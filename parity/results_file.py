@@ -21,7 +21,7 @@ from parity.table_seal import GZIP_MAGIC, Seal, SealError, SealMismatch, Unseale
 RESULTS_FILE, ENV_FILE = "results.csv.gz", "env.json"
 # What a command that writes a report must not replace in its folder unless told (--force): an earlier run's
 # results (parity.folder_manifest.check_folder's `protected`)
-EARLIER_REPORT = {RESULTS_FILE: "the report of an earlier run (its results table)"}
+EARLIER_REPORT = {RESULTS_FILE: "the results of an earlier run"}
 KEY = list(KEY_COLUMNS)
 REQUIRED_COLUMNS = [*KEY, "K", "dist", "input_dtype", "weight_dtype", "input_layout", "weight_layout",
                     "grad_output_layout", "bitwise", "n_diff", "numel", "sqnr_db", "max_rel_err", "max_abs_err",

@@ -338,6 +338,9 @@ def test_a_resume_with_other_arguments_is_refused(tmp_path, monkeypatch):
     assert run_cli(["sweep", "--impl", "bf16", "--out", str(out), "--quiet"])[0] == 130
     code, text = run_cli(["sweep", "--impl", "fp8_impl", "--out", str(out), "--quiet", "--resume"])
     assert code == 2 and text.startswith("fp8-parity sweep: --resume:"), text
+    # started again without --resume: its rows would be replaced (issue 29, item 11)
+    code, text = run_cli(["sweep", "--impl", "bf16", "--out", str(out), "--quiet"])
+    assert code == 2 and "its partial.csv.gz holds the rows of an interrupted sweep (--resume continues it)" in text
 
 
 # ---- a CUDA error ------------------------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def test_a_file_fp8_parity_wrote_and_the_user_changed_or_added_is_theirs(tmp_pat
 def test_a_protected_file_is_refused_by_name(tmp_path):
     from parity.folder_manifest import check_folder, write_files
     write_files(tmp_path, {"results.csv.gz": b"table"})
-    with pytest.raises(OutputError, match=r"it holds an earlier table \(results.csv.gz\), which this run would "
+    with pytest.raises(OutputError, match=r"its results.csv.gz holds an earlier table, which this run would "
                                           r"replace: give a new or empty folder, or --force"):
         check_folder(tmp_path, protected={"results.csv.gz": "an earlier table"})
     check_folder(tmp_path, protected={"partial.csv.gz": "rows"})
