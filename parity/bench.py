@@ -88,6 +88,7 @@ from torch import nn
 from fp8_impl.matmul import E4M3
 from parity import report
 from parity.env import environment
+from parity.folder_manifest import write_files
 from parity.impls import Impl
 from parity.names import BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS
 from parity.recipes import DEFAULT_RECIPE, Recipe
@@ -450,10 +451,9 @@ def run_bench(presets: Sequence[BenchPreset], impls: Sequence[Impl], *, compile_
                                             limit_ms=_limit_of(config.impl, M, K, N, ceilings, preset.dtype)))
                     del configs
                     torch._dynamo.reset()
-                    if checkpoint is not None:
-                        partial = Path(f"{checkpoint}.tmp")
-                        add_ratios(pd.DataFrame.from_records(records, columns=COLUMNS)).to_csv(partial, index=False)
-                        partial.replace(checkpoint)
+                    if checkpoint is not None:  # whole or not at all, and listed as fp8-parity's in its folder
+                        table = add_ratios(pd.DataFrame.from_records(records, columns=COLUMNS))
+                        write_files(checkpoint.parent, {checkpoint.name: table.to_csv(index=False).encode()})
                     if progress is not None:
                         progress(len(records), total, time.perf_counter() - start)
                 del pools

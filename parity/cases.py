@@ -29,6 +29,14 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 INPUT_DTYPES = ("bf16", "fp16", "fp32")
 WEIGHT_DTYPES = ("bf16", "fp32")
 ALIGNMENT = 16  # every FP8 GEMM dimension (M, K, N) must be divisible by 16
+# A case's seed seeds torch.Generator (64-bit) and, plus small offsets, the permutations of
+# parity.relations; 2**32 - 1 leaves room for both and is more seeds than a search draws (the CLI's
+# --seed stops at 2**31 - 1, a sample adds at most 2**16).
+MAX_SEED = 2**32 - 1
+# Steps exist to show state kept across calls (an amax history, a cached cast, a weight update
+# missed): torchao's delayed scaling keeps a history of 16 calls, so 64 calls show what any
+# history of that order does; more only multiplies a case's time (steps100000000 ran for hours).
+MAX_STEPS = 64
 
 
 class Layout(str, enum.Enum):
@@ -112,8 +120,11 @@ class Case:
             raise CaseError(f"case: input dtype {self.input_dtype!r} not in {INPUT_DTYPES}")
         if self.weight_dtype not in WEIGHT_DTYPES + ("fp16",):
             raise CaseError(f"case: weight dtype {self.weight_dtype!r} not in {WEIGHT_DTYPES + ('fp16',)}")
-        if self.steps < 1:
-            raise CaseError(f"case: steps must be >= 1, got {self.steps}")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise CaseError(f"case: steps must be from 1 to {MAX_STEPS}, got {self.steps} (steps show state kept "
+                            f"across calls; a few dozen calls show it)")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise CaseError(f"case: seed must be from 0 to {MAX_SEED}, got {self.seed}")
         if self.outlier_ratio < 1:
             raise CaseError(f"case: outlier ratio must be >= 1, got {self.outlier_ratio}")
 
@@ -293,6 +304,18 @@ def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT, microscaled: bool =
         # or clamped to, the input's dtype shows here and nowhere in bf16 or fp32
         base.replace(dist=Dist.SMALL_AMAX, input_dtype="fp16"),
     )
+
+
+# The case of a layer's size that `check` runs once its search of small cases found nothing: a bug that shows only
+# past a size (a tile or split boundary of K, a second block of rows, an offset that overflows) passed every case
+# of at most 256 (issue 29, item 9: wrong only when M > 512, or when K > 256). Every dim a multiple of 128, the
+# largest alignment of any recipe; N kept small, since float64 references cost M*K*N (about 4 s of a CPU check).
+LAYER_SHAPE = dict(lead=(1024,), K=1024, N=128)
+
+
+def layer_case(*, seed: int = 0) -> Case:
+    """One case of a real layer's size (LAYER_SHAPE), plain otherwise: bf16, contiguous, normal data."""
+    return Case(seed=seed, **LAYER_SHAPE)
 
 
 def simplifications(case: Case, *, alignment: int = ALIGNMENT):

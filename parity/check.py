@@ -21,8 +21,10 @@ from hypothesis import HealthCheck, Phase, find
 from hypothesis import settings as hypothesis_settings
 from hypothesis.errors import Flaky, NoSuchExample
 
-from parity.cases import Case, edge_cases, shrink
+from parity.cases import Case, edge_cases, layer_case, shrink
+from parity.coverage import covered
 from parity.env import environment
+from parity.exits import raise_if_stopped
 from parity.impls import Impl, ImplError, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
@@ -132,6 +134,7 @@ class CheckOptions:
     time_limit: float | None = None
     runner: Worker | None = None
     rerun_alone: bool = True
+    layer_case: bool = False  # after a search that found nothing, also one case of a layer's size (cases.layer_case)
 
 
 def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, cases: Sequence[Case] | None = None,
@@ -170,6 +173,7 @@ class _Check:
         self.first_failure: Case | None = None  # the first case that violated (what a flaky search falls back on)
 
     def rows_of(self, case: Case) -> list[Row]:
+        raise_if_stopped()  # a Ctrl-C or SIGTERM whose exception was lost stops the check here (parity.exits)
         return run_case_isolated(case, self.plan.comparisons, device=self.device, runner=self.runner,
                                  time_limit=self.settings.time_limit)
 
@@ -244,6 +248,16 @@ class _Check:
                  and _Repeat.of(row) != _Repeat.of(again.get(row.key))]
         return self.finish(Verdict.FAIL, moved[:6], case) if moved else self.finish(Verdict.PASS)
 
+    def at_layer_size(self, shrunk: Callable[[Case], Case]) -> CheckResult | None:
+        """With CheckOptions.layer_case, once the small cases all passed: the failure of the layer-size case
+        (parity.cases.layer_case), shrunk; None when it passes, is not asked for, or cannot run here."""
+        case = layer_case(seed=self.settings.seed)
+        if not self.settings.layer_case or self.plan.unsupported(case, self.device_type):
+            return None
+        if self.violates(case):
+            return self.conclude(self.hung_on or shrunk(case))
+        return None
+
     def run(self, cases: Sequence[Case] | None) -> CheckResult:
         plan, settings = self.plan, self.settings
         explicit = cases is not None
@@ -270,7 +284,7 @@ class _Check:
         try:
             minimal = find(strategy, self.violates, settings=search_settings, random=random.Random(settings.seed))
         except NoSuchExample:
-            return self.repeated()
+            return self.at_layer_size(shrunk) or self.repeated()
         except Flaky:  # a case failed once and passed when hypothesis replayed it: the failure needs earlier calls
             if self.first_failure is None:
                 raise
@@ -337,6 +351,7 @@ def render(result: CheckResult) -> str:
     head = result.verdict.value.upper()
     lines = [f"{head}: {plan.candidate.name} ({plan.candidate.recipe.name} recipe) against {plan.reference.name} "
              f"({plan.policy.value} policy) on {result.device}: {result.cases_run} cases in {result.seconds:.1f} s", ""]
+    lines[0] += covered(result.rows, plan.candidate.name) if result.verdict is Verdict.PASS else ""
     if result.skipped:
         first = next(iter(result.skipped.items()))
         lines += [f"{len(result.skipped)} of {result.cases_run} cases skipped (not failed): {first[1]} "

@@ -2,21 +2,22 @@
 the command's body (parity.commands names the module of each) and maps what it raised to an exit
 code (parity.exits lists them).
 
-Every flag is validated before any work starts; a bad one is one line saying what, the value
-and the fix. Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad
-usage or input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the
-traceback), 4 `report` of an interrupted sweep's partial table in which nothing failed (not a
-pass: cases are missing), 125 cannot run here (e.g. a GPU-only command without a GPU; what `git
-bisect run` reads as "skip this commit"), 130 / 143 interrupted by SIGINT / SIGTERM.
+Every flag is validated before any work starts; a bad one is one line saying what, the value and the
+fix. Exit codes (all commands): 0 success / parity holds, 1 a violation was found, 2 bad usage or
+input, 3 an internal error of fp8-parity (one line; FP8_PARITY_TRACEBACK=1 shows the traceback), 4
+`report` of an interrupted sweep's partial table, or of an unverified one (no seal), in which
+nothing failed (not a pass: cases are missing, or may be), 125 cannot run here (e.g. a GPU-only
+command without a GPU; what `git bisect run` reads as "skip this commit"), 130 / 143 interrupted by
+SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 # Standard library and torch-free modules only: `fp8-parity --help` and a mistyped flag are answered
@@ -27,7 +28,8 @@ from pathlib import Path
 # property_tests/test_cli_latency.py keeps it so.
 from parity.commands import RUNS_YOUR_CODE, command
 from parity.exits import (EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERNAL, EXIT_PASS, EXIT_SIGNAL,
-                          EXIT_USAGE, CannotRun, Terminated, UsageError, interrupted_by)
+                          EXIT_USAGE, TRACEBACK_ENV, CannotRun, UsageError, clear_stops, interrupted_by, one_line,
+                          quiet_lost_stops, stop_on_signal, stopped_by, traceback_requested)
 from parity.model_configs import MODELS
 from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_PRESET_SHAPES, BUILTIN_HELP,
                           BUILTIN_NAMES, CPU_GEMM_MODES, DEFAULT_BASELINE, DISTRIBUTED_MODES, FACTORY_PROTOCOL,
@@ -106,6 +108,12 @@ def _cpu_gemm_arg(parser: argparse.ArgumentParser) -> None:
                              "(torch's own CPU kernel)")
 
 
+def _force_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help=f"{what}; without it such a folder is refused, since the report's files (summary.md, "
+                             f"index.html, env.json, results.csv.gz, the plots) would replace files of those names")
+
+
 def _add_check(commands) -> None:
     check = commands.add_parser("check", help="search for a parity violation of an implementation",
                                 description="Compare an FP8 implementation with a reference, forward and backward, "
@@ -119,7 +127,7 @@ def _add_check(commands) -> None:
     check.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
                        help="hypothesis cases to try (default 100)")
     check.add_argument("--max-dim", type=_count(16, 16384, "--max-dim 256"), default=256,
-                       help="largest K and N generated (default 256)")
+                       help="largest M, K and N generated (default 256; the verdict says the largest that ran)")
     check.add_argument("--case", action="append", default=None, metavar="CASE_ID",
                        help="run exactly this case (repeatable) instead of searching")
     check.add_argument("--case-file", type=Path, default=None, metavar="PATH",
@@ -172,6 +180,8 @@ def _add_sweep(commands) -> None:
                             "large layers")
     sweep.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0)
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    _force_arg(sweep, "write into --out though it holds files fp8-parity did not write, an earlier run's report or "
+                      "an interrupted sweep's rows (without --resume: started over)")
 
 
 def _add_bisect(commands) -> None:
@@ -287,6 +297,12 @@ def _add_report(commands) -> None:
     report.add_argument("--out", type=Path, default=None,
                         help="report directory (default: the directory of RESULTS, whose table is not rewritten)")
     report.add_argument("--candidate", default="fp8_impl", help="whose parity the verdict judges")
+    report.add_argument("--unverified", action="store_true",
+                        help="report a table that carries no seal (its row count and checksum: written before "
+                             "fp8-parity sealed its tables, compressed again, or a plain CSV), headed UNVERIFIED; "
+                             "exit 4 where it would pass")
+    _force_arg(report, "write into --out (or beside the table) though it holds files fp8-parity did not write or "
+                       "another report's table")
 
 
 def _add_diff(commands) -> None:
@@ -345,10 +361,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
 def _warm_up_workers(args) -> None:
     """Start the workers a command that runs your code will need (parity.entry started them already
     when it could tell from the raw arguments; the parsed ones decide here)."""
@@ -379,38 +391,50 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     name = f"fp8-parity {args.command}"
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    clear_stops()
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, quiet_lost_stops(sys.unraisablehook)
     _warm_up_workers(args)
     # Bound before the try: a Ctrl-C or a failing import while _user_errors loads torch still ends in
     # one line (interrupted; an internal error), as inside a command.
     user_errors: tuple[type[Exception], ...] = (UsageError,)
     failed_to_load: tuple[type[Exception], ...] = ()
+    show_traceback = False
     try:
+        show_traceback = traceback_requested()
         user_errors = _user_errors()
         from parity.impls import ImplDied
         failed_to_load = (ImplDied,)
-        return command(args.command)(args)
+        code = command(args.command)(args)
+        by = stopped_by()
+        if by is not None and code not in EXIT_SIGNAL.values():  # its exception was lost: the verdict does not count
+            print(f"{name}: interrupted by {by.name}; what it printed is void", file=sys.stderr)
+            return EXIT_SIGNAL[by]
+        return code
     except failed_to_load as err:  # the code under test died or hung at import, in its worker: a finding
-        print(f"FAIL: {err}")
+        print(f"FAIL: {one_line(err)}")
         return EXIT_FAIL
     except user_errors as err:
-        print(f"{name}: {err}", file=sys.stderr)
+        print(f"{name}: {one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except CannotRun as err:
-        print(f"{name}: cannot run here: {err}", file=sys.stderr)
+        print(f"{name}: cannot run here: {one_line(err)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     except KeyboardInterrupt as err:
         by = interrupted_by(err)
         print(f"{name}: interrupted by {by.name}; nothing was judged", file=sys.stderr)
         return EXIT_SIGNAL[by]
     except Exception as err:  # noqa: BLE001 - a bug of fp8-parity itself: one line, the traceback on request
-        if os.environ.get("FP8_PARITY_TRACEBACK"):
-            raise
-        print(f"{name}: internal error of fp8-parity: {type(err).__name__}: {err} (rerun with "
-              f"FP8_PARITY_TRACEBACK=1 for the traceback, and report it)", file=sys.stderr)
+        if show_traceback:  # printed, not re-raised: an uncaught exception exits 1, which reads as a violation
+            traceback.print_exc()
+        how = "the traceback is above" if show_traceback else f"rerun with {TRACEBACK_ENV}=1 for the traceback"
+        print(f"{name}: internal error of fp8-parity: {type(err).__name__}: {one_line(err)} ({how}, and report it)",
+              file=sys.stderr)
         return EXIT_INTERNAL
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.unraisablehook = previous_hook
 
 
 if __name__ == "__main__":

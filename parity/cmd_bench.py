@@ -14,6 +14,7 @@ from parity.bench import DEFAULT_IMPLS, PRESETS, NoGPUError, bench_verdict, run_
 from parity.exits import EXIT_FAIL, EXIT_PASS, CannotRun
 from parity.impls import load_impl
 from parity.progress import Progress
+from parity.results_file import EARLIER_REPORT
 from parity.throughput import measure
 from parity.worker import Died, Worker
 
@@ -25,6 +26,7 @@ def cmd_bench(args) -> int:
     presets = [PRESETS[name] for name in dict.fromkeys(args.preset or ["small"])]
     modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
     out = args.out or cmd_inputs.default_report_dir()
+    cmd_inputs.report_folder(out, "--out", force=None, protected=EARLIER_REPORT)
     names = "+".join(p.name for p in presets)
     print(f"fp8-parity bench: preset {names}, {sum(len(p.shapes) for p in presets)} shapes x {len(impls)} "
           f"implementations x {len(modes)} compile modes", file=sys.stderr)

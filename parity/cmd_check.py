@@ -6,12 +6,14 @@ and localize one (or, with --git, find the first bad commit).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from parity import cmd_inputs
 from parity.bisect import localize, render as render_localized
 from parity.check import CheckPlan, render, rerun_command, run_check
 from parity.cmd_distributed import check_distributed
+from parity.coverage import Coverage
 from parity.exits import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS
 from parity.history import git_bisect
 from parity.impls import load_impl
@@ -38,11 +40,14 @@ def cmd_check(args) -> int:
              *(["--policy", args.policy] if args.policy else [])]
     with Progress(not args.quiet, "cases", bar=False) as progress:
         result = run_check(plan, device=device, max_examples=args.max_examples, cases=cases, max_dim=args.max_dim,
-                           seed=args.seed, rerun_command=rerun_command(args.impl, plan.reference.name, device, extra),
-                           progress=progress, time_limit=args.timeout)
+                           max_tokens=args.max_dim, layer_case=True, seed=args.seed, progress=progress,
+                           rerun_command=rerun_command(args.impl, plan.reference.name, device, extra),
+                           time_limit=args.timeout)
     print(render(result), end="")
     if args.json:
-        atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
+        coverage = Coverage.of(result.rows, plan.candidate.name)
+        payload = dict(result.to_json(), coverage=None if coverage is None else dataclasses.asdict(coverage))
+        atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
     if args.results and result.rows:
         atomic_write_bytes(args.results, encoded(rows_frame(result.rows)))
     return EXIT_OF_VERDICT[result.verdict]

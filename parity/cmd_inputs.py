@@ -14,24 +14,39 @@ from parity.check import resolve_device
 from parity.cpu_gemm import ENV as CPU_GEMM_ENV
 from parity.data import saved_case
 from parity.exits import CannotRun, UsageError
+from parity.folder_manifest import check_folder
 from parity.outputs import OutputError, check_writable_dir, check_writable_file
 
 
 def writable_file(path: Path | None, flag: str) -> None:
-    """UsageError unless `path` (given with `flag`; None: not given) can be written."""
+    """UsageError unless `path` (given with `flag`; None: not given) can be written: a new path or a regular
+    file (never a device, a pipe or a link) in a writable directory."""
     if path is not None:
         try:
-            check_writable_file(path)
+            check_writable_file(path, option=flag)
         except OutputError as err:
-            raise UsageError(f"{flag} {path}: {err}") from None
+            raise UsageError(str(err)) from None
 
 
 def writable_dir(path: Path, flag: str) -> None:
     """UsageError unless `path` (given with `flag`) is, or can be made, a writable directory."""
     try:
-        check_writable_dir(path)
+        check_writable_dir(path, option=flag)
     except OutputError as err:
-        raise UsageError(f"{flag} {path}: {err}") from None
+        raise UsageError(str(err)) from None
+
+
+def report_folder(path: Path, flag: str, *, force: bool | None, protected: dict | None = None,
+                  fix: str | None = None) -> None:
+    """UsageError unless `path` (given with `flag`) can be written and fp8-parity may write its report files
+    there: a new or empty folder, or one holding only files fp8-parity wrote, unchanged, and none of
+    `protected` (parity.folder_manifest.check_folder); `force` (--force) allows any writable folder,
+    None: the command has no --force."""
+    writable_dir(path, flag)
+    try:
+        check_folder(path, option=flag, force=force, protected=protected, fix=fix)
+    except OutputError as err:
+        raise UsageError(str(err)) from None
 
 
 def named_cases(ids: list[str], device: str):

@@ -14,6 +14,7 @@ from parity.impls import load_impl
 from parity.outputs import OutputLock
 from parity.progress import Progress
 from parity.report import verdict, write_report
+from parity.results_file import EARLIER_REPORT
 from parity.sweep import (DEFAULT_IMPLS, PRESETS, SweepInterrupted, accuracy_by_recipe, named_shape_table,
                           run_sweep, run_sweep_sharded, sweep_comparisons)
 from parity.sweep_resume import PARTIAL_TABLE, discard_partial, load_partial, save_partial, sweep_arguments
@@ -25,8 +26,13 @@ def cmd_sweep(args) -> int:
     if args.resume and args.out is None:
         raise UsageError("--resume needs --out DIR, the directory of the interrupted sweep")
     out = args.out or cmd_inputs.default_report_dir()
-    cmd_inputs.writable_dir(out, "--out")
+    cmd_inputs.report_folder(out, "--out", force=args.force, protected=_protected(args.resume))
     impls = [load_impl(name, time_limit=args.timeout) for name in impl_names]
+    comparisons = sweep_comparisons(impls, device, accuracy_only=args.accuracy_only)
+    if not comparisons:
+        raise UsageError(f"--impl {' --impl '.join(impl_names)}: nothing to compare: fp64 is the reference every "
+                         f"implementation is measured against, and no other reference applies; add an "
+                         f"implementation (e.g. --impl fp8_impl)")
     preset = PRESETS[args.preset]
     if args.samples is not None:
         preset = dataclasses.replace(preset, samples=args.samples,
@@ -46,9 +52,8 @@ def cmd_sweep(args) -> int:
         else:
             try:
                 with Progress(not args.quiet, "cases") as progress:
-                    frame = run_sweep(cases, sweep_comparisons(impls, device, accuracy_only=args.accuracy_only),
-                                      device=device, progress=progress, time_limit=args.timeout, done=done,
-                                      checkpoint=lambda part: save_partial(part, out, arguments, "running"))
+                    frame = run_sweep(cases, comparisons, device=device, progress=progress, time_limit=args.timeout,
+                                      done=done, checkpoint=lambda part: save_partial(part, out, arguments, "running"))
             except SweepInterrupted as stop:
                 return _interrupted(stop, args, out, arguments)
         judged = verdict(frame, candidate=impls[0].name)
@@ -64,6 +69,15 @@ def cmd_sweep(args) -> int:
         print(f"next: {judged.next_step}  ({judged.NEXT_STEP_WHY})")
     print(f"report: {out}/summary.md ({len(written)} files, {frame.attrs['env']['seconds']} s)")
     return EXIT_PASS if judged.ok else EXIT_FAIL
+
+
+def _protected(resume: bool) -> dict[str, str]:
+    """What a sweep's --out must not hold, unless --force: an earlier run's report, and (without --resume)
+    an interrupted sweep's rows, which a new sweep would replace."""
+    protected = dict(EARLIER_REPORT)
+    if not resume:
+        protected[PARTIAL_TABLE] = "the rows of an interrupted sweep (--resume continues it)"
+    return protected
 
 
 def _gpus(args, device: str) -> int:

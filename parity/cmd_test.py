@@ -10,6 +10,7 @@ import pytest
 from parity import cmd_inputs
 from parity.exits import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_SIGNAL, EXIT_USAGE
 from parity.impls import load_impl
+from parity.results_file import EARLIER_REPORT
 from parity.suite import shipped_suite
 from parity.recipes import get_recipe
 
@@ -22,7 +23,7 @@ def cmd_test(args) -> int:
     if args.recipe:
         get_recipe(args.recipe)  # a typo is a usage error here, with its "did you mean"
     if args.report is not None:
-        cmd_inputs.writable_dir(args.report, "--report")
+        cmd_inputs.report_folder(args.report, "--report", force=None, protected=EARLIER_REPORT)
     # a name that does not load is a usage error now, with its message, not after pytest has started
     load_impl(args.impl, recipe=args.recipe)
     if args.against:

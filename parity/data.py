@@ -8,6 +8,7 @@ implementation then gets its own fresh copies in the case's memory layouts.
 from __future__ import annotations
 
 import functools
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from parity.cases import DTYPES, INPUT_DTYPES, WEIGHT_DTYPES, Case, CaseError, Dist, Layout, SavedCase
+from parity.folder_manifest import write_files
 
 NEAR_MAX = 448.0  # e4m3fn max: "near max" data sits at the top of the fp8 range
 LAYOUT_PAD = 16  # padded rows: row stride = row length + 16 elements
@@ -160,10 +162,10 @@ def write_case_file(path: str | Path, steps: list[dict[str, torch.Tensor]], *, b
     described = [{name: dict(dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape), stride=list(t.stride()))
                   for name, t in step.items()} for step in saved]
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
     torch.save(dict(format=CASE_FILE_FORMAT, steps=saved, bias=None if bias is None else bias.detach().cpu().clone(),
-                    meta=dict(meta or {}, tensors=described)), path)
-    return path
+                    meta=dict(meta or {}, tensors=described)), buffer)
+    return write_files(path.parent, {path.name: buffer.getvalue()})[0]  # whole, and listed as fp8-parity's
 
 
 @functools.lru_cache(maxsize=8)

@@ -91,6 +91,8 @@ SWEEP_PRESET_DESCRIPTIONS = {
     "llama": "Llama 3 8B and 70B layers in four variants",
     "outliers": "nanochat d20 and Llama 3 8B/70B layers on normal data, an outlier channel and an outlier token: "
                 "which recipe keeps its accuracy (use with --accuracy-only)",
+    "cpu-layers": "real layer sizes a CPU runs in minutes: nanochat-d8's three layers (K, N 512 to 2048) at 768 tokens "
+                  "in four variants, the edge cases and 20 sampled cases up to 256",
 }
 BENCH_DEFAULT_IMPLS = ("fp8_impl", "torchao:tensorwise", "torchao:rowwise", "bf16")
 # each bench preset's name and description, in the order of parity.bench.PRESETS, and how many layer

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -64,12 +65,34 @@ def check_writable_file(path: str | Path, *, option: str | None = None) -> Path:
     fix = "give a path in a writable directory"
     if path.is_dir():
         raise _refuse(path, option, f"{path} is a directory", "give a file name")
+    unfit = _not_a_regular_file(path)
+    if unfit:
+        raise _refuse(path, option, unfit, "give a new path or a regular file")
     if path.exists() and not os.access(path, os.W_OK):
         raise _refuse(path, option, f"{path} is not writable", fix)
     reason = _unwritable_dir(_nearest_existing(path.parent))
     if reason:
         raise _refuse(path, option, reason, fix)
     return path
+
+
+def _not_a_regular_file(path: Path) -> str | None:
+    """Why an existing `path` must not be written (None: it is new, or a regular file). A file is written by
+    renaming a new one over it: that would replace a device node (as root, /dev/null itself), a pipe, a
+    socket, or a symbolic link with a regular file, and writing into one instead is no file at all."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # new (or under a file: the directory check says so)
+        return None
+    except OSError as err:
+        return f"{path} cannot be examined: {err.strerror or err}"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return f"{path} is a symbolic link, which would be replaced by a file; give the path it points to"
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    return f"{path} is {kind}, not a regular file: fp8-parity writes only regular files and never replaces another kind"
 
 
 def check_writable_dir(path: str | Path, *, option: str | None = None) -> Path:
@@ -82,8 +105,12 @@ def check_writable_dir(path: str | Path, *, option: str | None = None) -> Path:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write `data` to `path` whole or not at all (parent directories created)."""
+    """Write `data` to `path` whole or not at all (parent directories created). OutputError when `path` is
+    there and is not a regular file (a device, a pipe, a link that appeared since the check): never replaced."""
     path = Path(path)
+    unfit = _not_a_regular_file(path)
+    if unfit:
+        raise OutputError(f"{path}: cannot write there ({unfit})")
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = tempfile.NamedTemporaryFile(dir=path.parent, delete=False, prefix=f".{path.name}.")
     try:

@@ -42,8 +42,13 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from parity import cpu_gemm, hopper, property_items, pytest_report, sharding, suite
-from parity.cases import CaseError, parse_case_id
+from parity.cases import CaseError, SavedCase, check_fits, parse_case_id
+from parity.data import read_case_file
 from parity.env import environment
+from parity.exits import one_line
+from parity.folder_manifest import check_folder
+from parity.outputs import OutputError, check_writable_dir
+from parity.results_file import EARLIER_REPORT
 from parity.impls import ImplError
 from parity.recipes import RecipeError
 from parity.rows import frame as rows_frame
@@ -109,13 +114,17 @@ def pytest_configure(config):
     profile = getattr(settings, "_current_profile", None) or default_profile()
     case_id = config.getoption("--fp8-case")
     if case_id:  # exactly one case: no pinned cases, one generated example (the given case)
-        try:
-            parse_case_id(case_id)  # a typo: a usage error now, not an error collecting each property test
-        except CaseError as err:
-            raise pytest.UsageError(f"--fp8-case: {err}") from None
+        _check_case(case_id, config.getoption("--fp8-device"))
         settings.register_profile("fp8-rerun", parent=settings.get_profile(profile), max_examples=1,
                                   phases=[Phase.generate])
         settings.load_profile("fp8-rerun")
+    report = config.getoption("--fp8-report")
+    if report:  # refused now, not after the suite ran: a folder of the user's own files, or an earlier report
+        try:
+            check_writable_dir(report, option="--fp8-report")
+            check_folder(report, option="--fp8-report", force=None, protected=EARLIER_REPORT)
+        except OutputError as err:
+            raise pytest.UsageError(str(err)) from None
     impl = config.getoption("--fp8-impl")
     if impl and not config.option.file_or_dir:  # `pytest --fp8-impl X`: the shipped suite
         try:
@@ -137,6 +146,18 @@ def pytest_configure(config):
         configured.candidate, configured.reference  # noqa: B018 - load now: a bad name is a usage error
     except (ImplError, RecipeError) as err:
         raise pytest.UsageError(f"--fp8-impl/--fp8-recipe/--fp8-against: {err}") from None
+
+
+def _check_case(case_id: str, device: str) -> None:
+    """pytest.UsageError when --fp8-case cannot run: an id that does not parse, a case file that does not
+    read, operands larger than the memory. Said once now, not as a failure of every property test."""
+    try:
+        case = parse_case_id(case_id)
+        if isinstance(case, SavedCase):
+            read_case_file(case.path)
+        check_fits(case, "cuda" if device == "cuda" else "cpu")
+    except CaseError as err:
+        raise pytest.UsageError(f"--fp8-case: {one_line(err)}") from None
 
 
 def pytest_report_header(config):

@@ -45,7 +45,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from parity.outputs import atomic_write_bytes, atomic_write_text
+from parity.folder_manifest import write_files
 from parity.report_diff import CHANGES, diff_results, render_diff
 from parity.report_pages import Section, html_page, markdown_page
 from parity.report_plots import SUMMARY_PLOT, standard_plots
@@ -131,10 +131,12 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, **options) -> list[Pa
     from them and must never rewrite its own input); they are then not in the list returned.
 
     Nothing lost, nothing half-written: every file is rendered in memory first (an error in a
-    table or a plot touches no file), then each is written atomically (parity.outputs): the
-    table and env.json first, summary.md and index.html last, and a summary of the table being
-    replaced is removed before it, so a run cut short never leaves a summary beside a table it
-    does not describe (`fp8-parity report DIR` renders it again).
+    table or a plot touches no file), then each is written atomically and listed in the folder's
+    manifest (parity.folder_manifest: the proof that fp8-parity wrote them, which a later run's
+    check of the folder reads): the table and env.json first, summary.md and index.html last, and
+    a summary of the table being replaced is removed before it, so a run cut short never leaves a
+    summary beside a table it does not describe (`fp8-parity report DIR` renders it again).
+    Writes into `out_dir` whatever it holds: the command checks the folder first (check_folder).
     """
     o = ReportOptions(**options)
     frame = _checked(frame, o)
@@ -149,15 +151,14 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, **options) -> list[Pa
     sizes = {path.name: _png_size(data) for path, data in images.items()}
     pages = {out / "summary.md": markdown_page(o.title, summary, env, sections, list(images)),
              out / "index.html": html_page(o.title, summary, env, sections, list(images), sizes)}
-    written = []
+    files = {}
     if o.write_table:
-        data = {out / RESULTS_FILE: encoded(frame),
-                out / ENV_FILE: (json.dumps(env, indent=2, default=str) + "\n").encode()}
+        files = {RESULTS_FILE: encoded(frame), ENV_FILE: (json.dumps(env, indent=2, default=str) + "\n").encode()}
         for page in pages:
             page.unlink(missing_ok=True)  # it describes the table about to be replaced
-        written += [atomic_write_bytes(path, content) for path, content in data.items()]
-    written += [atomic_write_bytes(path, content) for path, content in images.items()]
-    return written + [atomic_write_text(path, text) for path, text in pages.items()]
+    files.update({path.name: content for path, content in images.items()})
+    files.update({path.name: text.encode() for path, text in pages.items()})
+    return write_files(out, files)  # in this order: the table first, the pages last
 
 
 def _checked(frame: pd.DataFrame, o: ReportOptions) -> pd.DataFrame:

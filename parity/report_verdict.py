@@ -15,6 +15,7 @@ import pandas as pd
 from parity.policy import Policy, Violation, evaluate
 from parity.recipes import GEMMS, GRAD_BIAS_SQNR_DB, get_recipe
 from parity.vocabulary import Kind
+from parity.coverage import covered
 from parity.impls import recipe_flag
 from parity.report_rows import plural, ran, skipped_mask
 from parity.report_tables import overall
@@ -99,7 +100,7 @@ def verdict(frame: pd.DataFrame, *, candidate: str = "fp8_impl") -> Verdict:
                 "sqnr": "above the SQNR floor against {ref}", "paired": "within 3 dB of {ref}'s accuracy"}
         parts = [said[p].format(ref=ref) + f" in {n}/{n} comparisons ({plural(cases, 'case')})"
                  for (p, ref), (n, cases) in by_policy.iterrows()] + _exact_parts(exact)
-        return Verdict(True, f"PASS: {candidate} ({recipe}) is " + "; ".join(parts),
+        return Verdict(True, f"PASS: {candidate} ({recipe}) is " + "; ".join(parts) + covered(judged, candidate),
                        [accuracy, *skip_line, "no crash, no contract problem, no _scaled_mm call that would fail on "
                                               "an H100, no operand that differs from its recipe's"])
     phrases, examples, details = [], [], []

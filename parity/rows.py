@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
+from parity.exits import one_line
 from parity.vocabulary import DIED_PREFIX, Phase, Stage
 
 KEY_COLUMNS = ("case_id", "impl", "reference", "tensor", "step")  # what identifies a row
@@ -49,8 +50,13 @@ class Raised:
     phase: Phase
     step: int | None  # the call (None: while building the module)
     type: str  # the exception's type name
-    message: str  # its first line
+    message: str  # its first line, at most MESSAGE_CHARS characters
     at: str = ""  # "file:line": the deepest frame of the implementation's own code ("" when none)
+
+    def __post_init__(self):
+        # an exception can carry megabytes in one line (a tensor's repr, a log): every report of it (the
+        # terminal, --json, the results table) keeps a bounded line that says how long it was
+        object.__setattr__(self, "message", one_line(self.message))
 
     @property
     def where(self) -> str:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from parity.exits import UsageError
-from parity.outputs import atomic_write_bytes, atomic_write_text
+from parity.folder_manifest import write_files
 from parity.report import read_results
 from parity.results_file import encoded
 
@@ -23,27 +23,59 @@ def sweep_arguments(args, impl_names: list[str]) -> dict:
 
 def save_partial(frame, out: Path, arguments: dict, reason: str) -> None:
     """The rows of the cases done so far, where `report` and `sweep --resume` read them."""
-    atomic_write_bytes(out / PARTIAL_TABLE, encoded(frame))
-    atomic_write_text(out / PARTIAL_INFO, json.dumps(dict(arguments=arguments, done=frame.attrs["done"],
-                                                          planned=frame.attrs["planned"], reason=reason,
-                                                          env=frame.attrs.get("env", {})), indent=2, default=str))
+    info = json.dumps(dict(arguments=arguments, done=frame.attrs["done"], planned=frame.attrs["planned"],
+                           reason=reason, env=frame.attrs.get("env", {})), indent=2, default=str)
+    write_files(out, {PARTIAL_TABLE: encoded(frame), PARTIAL_INFO: info.encode()})
+
+
+def _info(out: Path) -> dict:
+    """partial.json of `out` as written by save_partial, or ValueError saying what it is instead."""
+    try:
+        info = json.loads((out / PARTIAL_INFO).read_text())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not text ({err.reason})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"a JSON {type(info).__name__}, not the object an interrupted sweep writes")
+    for key in ("done", "planned"):
+        if not isinstance(info.get(key), int) or isinstance(info.get(key), bool) or info[key] < 0:
+            raise ValueError(f"its {key!r} is {info.get(key)!r}, not a count of cases")
+    return info
+
+
+def partial_progress(out: Path) -> tuple[int, int] | None:
+    """(cases done, cases planned) of the interrupted sweep in `out`, None without its partial.json;
+    ValueError when that is not the one save_partial writes."""
+    if not (out / PARTIAL_INFO).is_file():
+        return None
+    info = _info(out)
+    return info["done"], info["planned"]
 
 
 def load_partial(out: Path, arguments: dict):
-    """The rows an interrupted sweep in `out` saved, or UsageError when there are none or they came
-    from other arguments."""
+    """The rows an interrupted sweep in `out` saved, or UsageError when there are none, they came
+    from other arguments, or its files are not the ones it wrote."""
     info_path = out / PARTIAL_INFO
     if not info_path.is_file() or not (out / PARTIAL_TABLE).is_file():
         raise UsageError(f"--resume: {out} holds no interrupted sweep ({PARTIAL_TABLE} and {PARTIAL_INFO}); run "
                          f"without --resume to start one")
-    info = json.loads(info_path.read_text())
+    try:
+        info = _info(out)
+    except ValueError as err:
+        raise UsageError(f"--resume: {info_path} is {err}; start the sweep again (--force)") from None
     if info.get("arguments") != arguments:
         raise UsageError(f"--resume: the sweep in {out} ran with {info.get('arguments')}, this one asks for "
                          f"{arguments}: resume with the same --preset, --impl, --samples, --seed and --accuracy-only")
     try:
-        return read_results(out / PARTIAL_TABLE)
+        frame = read_results(out / PARTIAL_TABLE)
     except (ValueError, OSError) as err:
-        raise UsageError(f"--resume: cannot read {out / PARTIAL_TABLE}: {err}; start the sweep again") from None
+        raise UsageError(f"--resume: cannot read {out / PARTIAL_TABLE}: {err}; start the sweep again "
+                         f"(--force)") from None
+    if frame.attrs["seal"] is None:
+        raise UsageError(f"--resume: {out / PARTIAL_TABLE} carries no seal (row count and checksum): it is not the "
+                         f"table the sweep wrote; start the sweep again (--force)")
+    return frame
 
 
 def discard_partial(out: Path) -> None:

@@ -31,6 +31,10 @@ def test_case_id_format():
     ("M16K16N16|in:bf16:Q", "cannot read 'in:bf16:Q'.*layouts are"),
     ("M16K16N16|gaussian", "cannot read 'gaussian'.*distributions"),
     ("M16K16N16|in:int8:C", "input dtype 'int8' not in"),
+    # issue 29: a 20-digit seed was an internal error deep in torch.Generator (exit 3), and 10**8 steps ran for
+    # hours past a SIGTERM
+    ("M16K16N16|seed99999999999999999999", r"seed must be from 0 to 4294967295, got 99999999999999999999"),
+    ("M16K16N16|steps100000000", r"steps must be from 1 to 64, got 100000000"),
 ])
 def test_case_id_errors(case_id, match):
     with pytest.raises(CaseError, match=match):

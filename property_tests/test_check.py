@@ -20,7 +20,7 @@ from evals.zoo.mutants import BY_NAME
 
 MUTANTS = "evals/zoo/mutants.py"
 JSON_KEYS = {"verdict", "impl", "reference", "policy", "device", "cases_run", "seconds", "minimal_case", "failures",
-             "error", "rerun", "env", "recipe", "skipped", "note"}
+             "error", "rerun", "env", "recipe", "skipped", "note", "coverage"}
 FAILURE_KEYS = {"case_id", "tensor", "step", "metric", "value", "allowed", "message"}
 
 
@@ -131,6 +131,7 @@ def test_cli_pass_fail_and_json(tmp_path, capsys):
     passed = json.loads(out.read_text())
     assert set(passed) == JSON_KEYS and passed["verdict"] == "pass" and passed["failures"] == []
     assert passed["env"]["torch"] == torch.__version__
+    assert passed["coverage"]["max_M"] == 1024 and passed["coverage"]["cases"] == passed["cases_run"]  # the layer case
 
     assert main(["check", "--impl", f"{MUTANTS}:scale_not_inverted", "--max-examples", "20", "--device", "cpu",
                  "--json", str(out)]) == 1
@@ -256,3 +257,28 @@ def test_a_hang_is_waited_on_once():
     assert result.verdict == "fail" and result.cases_run == 1
     assert isinstance(result.violations[0].error, Died) and result.violations[0].error.timed_out
     assert "ran past its time limit: the check stopped there" in result.note
+
+
+# ---- what a pass covered (issue 29, item 9) -------------------------------------------------------------------
+
+def test_a_pass_states_the_largest_shapes_dtypes_and_layouts_that_ran():
+    """A layer wrong only past a size passed with no word that no case that large ran: the verdict line of a
+    pass says what its cases covered."""
+    cases = [Case(lead=(2, 16), K=32, N=16, input_layout="T", steps=2),
+             Case(lead=(48,), K=16, N=64, input_dtype="fp32", weight_dtype="fp32", bias=True, dist="outlier")]
+    result = run_check(plan("bf16", "fp64"), cases=cases)
+    first = render(result).splitlines()[0]
+    assert result.verdict == "pass" and first.endswith(
+        "2 cases in " + first.split("2 cases in ")[1].split(" s.")[0] + " s. Covered: M <= 48, K <= 32, N <= 64, "
+        "input bf16/fp32, weight bf16/fp32, layouts C/T, 2-D/3-D input, with and without bias, up to 2 calls, "
+        "2 of 13 data distributions"), first
+
+
+def test_check_runs_a_case_of_a_layers_size_after_its_search():
+    """The search draws M, K, N up to 256: a layer wrong only when M > 512 passed it. The CLI's check then runs
+    one case of a layer's size (M 1024, K 1024, N 128), found here and shrunk (K > 256: the hostile corpus)."""
+    candidate = CheckPlan.make(load_impl("evals/hostile/large_only.py:wrong_above_m512", recipe="bf16"),
+                               load_impl("fp64"))
+    assert run_check(candidate, max_examples=1).verdict == "pass"  # the search alone
+    result = run_check(candidate, max_examples=1, layer_case=True)
+    assert result.verdict == "fail" and result.minimal_case.M > 512, render(result)

@@ -43,7 +43,7 @@ def test_the_modules_entry_and_cli_share_import_no_harness(module):
 
 
 def test_the_entry_point_imports_cli_only_in_main():
-    assert _parity_imports(entry) == {"parity.commands", "parity.names", "parity.worker", "parity.cli"}
+    assert _parity_imports(entry) == {"parity.commands", "parity.exits", "parity.names", "parity.worker", "parity.cli"}
     assert "parity.cli" not in {node.module for node in ast.parse(inspect.getsource(entry)).body
                                 if isinstance(node, ast.ImportFrom)}
 
@@ -64,3 +64,31 @@ def test_no_command_module_imports_another_or_the_parser():
     for path in sorted(PARITY.glob("cmd_*.py")):
         imported = _parity_imports(__import__(f"parity.{path.stem}", fromlist=["_"]))
         assert "parity.cli" not in imported and not (imported & bodies), (path.name, imported & bodies)
+
+
+def test_a_stopped_command_ends_at_once_and_takes_the_fork_server_with_it(tmp_path):
+    """After a Ctrl-C or SIGTERM, entry ends the process without the interpreter's teardown (5 to 7 s with torch
+    loaded at a load of 13) and kills the CPU workers' fork server, which otherwise lives on, holding the
+    command's stdout, until its preload (torch) has imported (issue 29: SIGTERM must stop a command in about
+    a second)."""
+    import os
+    import time
+    pid_file = tmp_path / "server.pid"
+    code = ("import sys; from parity import entry, worker; from multiprocessing import forkserver; "
+            "worker.warm_up('cpu'); "
+            f"open({str(pid_file)!r}, 'w').write(str(forkserver._forkserver._forkserver_pid)); "
+            "entry._exit_now(143)")
+    with (tmp_path / "stderr").open("w") as stderr:  # a file, not a pipe: run() returns when the command exits
+        done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=stderr, timeout=120)
+    assert done.returncode == 143, (tmp_path / "stderr").read_text()
+    server = int(pid_file.read_text())
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{server}/stat").read_text().split(") ")[1].startswith("Z"):  # killed, not yet reaped
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the fork server {server} outlived the stopped command by 2 s")

@@ -106,6 +106,11 @@ IMPLEMENTATIONS: dict[str, Expect] = {
     "monkeypatch_F_linear": Expect(1, FAIL, STATE + r"torch.nn.functional.linear replaced"),
     "ret_nan": Expect(1, FAIL, r"\[nonfinite\] output \(step 0\): 256 NaN and 0 Inf where fp64 has 0 and 0"),
     "ret_inf_one": Expect(1, FAIL, r"\[nonfinite\] output \(step 0\): 0 NaN and 1 Inf where fp64 has 0 and 0"),
+    # issue 29: a message is one bounded line (MAX_OUTPUT holds the whole output under 20,000 characters)
+    "fwd_raises_50_mib": Expect(1, FAIL, CRASH + r"raised: step 0: forward: RuntimeError: x{600}\.\.\. \(52428800 "
+                                                 r"characters in all\)"),
+    "fwd_raises_many_lines": Expect(1, FAIL, CRASH + r"raised: step 0: forward: ValueError: first line of a long "
+                                                     r"report \(at "),
 }
 
 
@@ -248,6 +253,12 @@ BAD_INPUTS: dict[str, tuple[list[str], Expect]] = {
     "form bogus": (["check", "--impl", "bf16", "--form", "bogus"],
                    Expect(2, USAGE.format("check") + r"argument --form: invalid choice: 'bogus'")),
     "unknown command": (["frobnicate"], Expect(2, r"^fp8-parity: argument COMMAND: invalid choice: 'frobnicate'")),
+    # issue 29, items 12 and 14: an internal error deep in torch.Generator (exit 3); hours of steps past a SIGTERM
+    "case seed of 20 digits": (["check", "--impl", "bf16", "--case", "M16K16N16|seed99999999999999999999"],
+                               Expect(2, USAGE.format("check") + r"case: seed must be from 0 to 4294967295, got "
+                                                                 r"99999999999999999999$")),
+    "case of 10**8 steps": (["check", "--impl", "bf16", "--case", "M16K16N16|steps100000000"],
+                            Expect(2, USAGE.format("check") + r"case: steps must be from 1 to 64, got 100000000 ")),
 }
 CPU_ONLY = {  # what a machine without a GPU cannot do: exit 125 ("cannot run here"), not a failure
     "check on cuda": (["check", "--impl", "bf16", "--device", "cuda"],
@@ -276,7 +287,7 @@ def test_what_needs_a_gpu_says_it_cannot_run_here(name, inputs):
 
 
 def test_the_corpus_size_in_the_readme_is_the_count_of_the_corpus():
-    count = len(IMPLEMENTATIONS) + len(BAD_INPUTS) + len(CPU_ONLY)
+    count = len(IMPLEMENTATIONS) + len(BAD_INPUTS) + len(CPU_ONLY) + len(FILES)
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert f"{count} hostile inputs, {count} handled" in readme
 
@@ -327,6 +338,9 @@ def test_a_resume_with_other_arguments_is_refused(tmp_path, monkeypatch):
     assert run_cli(["sweep", "--impl", "bf16", "--out", str(out), "--quiet"])[0] == 130
     code, text = run_cli(["sweep", "--impl", "fp8_impl", "--out", str(out), "--quiet", "--resume"])
     assert code == 2 and text.startswith("fp8-parity sweep: --resume:"), text
+    # started again without --resume: its rows would be replaced (issue 29, item 11)
+    code, text = run_cli(["sweep", "--impl", "bf16", "--out", str(out), "--quiet"])
+    assert code == 2 and "its partial.csv.gz holds the rows of an interrupted sweep (--resume continues it)" in text
 
 
 # ---- a CUDA error ------------------------------------------------------------------------------------------
@@ -351,3 +365,57 @@ def test_a_cuda_error_is_a_finding_of_its_case_and_later_cases_still_run():
     for M in (16, 48):
         assert not any(row.error or row.reference_error for row in rows[M]), rows[M]
         assert plan.judge(rows[M]) == [], plan.judge(rows[M])
+
+
+# ---- hostile files and folders (evals/hostile/files.json; issue 29, items 8, 10, 11, 14) -----------------------
+
+FILES = json.loads((HOSTILE / "files.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def two_reports(tmp_path_factory) -> tuple[Path, Path]:
+    """Two sealed report folders of bf16 against fp64, 80 cases (a table of about 100 KB): `passing`, and
+    `failing`, the same rows but for its last case's, whose SQNR is 1 dB (below the floor)."""
+    root = tmp_path_factory.mktemp("reports")
+    base = run_cases([Case(lead=(16,), K=16, N=16), Case(lead=(32,), K=16, N=16)],
+                     all_pairs([load_impl("bf16")], [load_impl("fp64")]))
+    frame = pd.concat([base.assign(case_id=base["case_id"].str.replace("seed0", f"seed{seed}"), seed=seed)
+                       for seed in range(40)], ignore_index=True)
+    failing = frame.copy()
+    failing.loc[failing["case_id"] == failing["case_id"].iloc[-1], "sqnr_db"] = 1.0
+    for name, table in {"passing": frame, "failing": failing}.items():
+        write_report(table, root / name, title=name, candidate="bf16", plots=False)
+    return root / "passing", root / "failing"
+
+
+def _state(root: Path) -> dict[str, tuple]:
+    """Every path under `root` that no fp8-parity manifest lists: its kind and, for a file, its bytes."""
+    from parity.folder_manifest import MANIFEST_FILE, read_manifest
+    state = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink() and (path.name == MANIFEST_FILE or path.name in (
+                read_manifest(path.parent) or {})):
+            continue
+        kind = "link" if path.is_symlink() else "fifo" if path.is_fifo() else "dir" if path.is_dir() else "file"
+        state[str(path.relative_to(root))] = (kind, path.read_bytes() if kind == "file" else None)
+    return state
+
+
+def test_every_hostile_file_has_a_builder():
+    from evals.hostile import files
+    assert all(callable(getattr(files, entry["build"], None)) for entry in FILES)
+    assert len({entry["name"] for entry in FILES}) == len(FILES)
+
+
+@pytest.mark.parametrize("entry", FILES, ids=[entry["name"] for entry in FILES])
+def test_hostile_file(entry, two_reports, tmp_path):
+    """Each command on its hostile file or folder: its exit code and one first line, no traceback, and no file
+    fp8-parity did not write changed (a pipe stays a pipe, a link a link, the user's summary.md theirs)."""
+    from evals.hostile import files
+    named = getattr(files, entry["build"])(tmp_path, *two_reports)
+    before = _state(tmp_path)
+    text = assert_outcome([a.format(root=tmp_path, **named) for a in entry["argv"]],
+                          Expect(entry["code"], entry["first"]))
+    if entry["code"] == 2:
+        assert len(text.strip().splitlines()) == 1, text
+    assert _state(tmp_path) == before

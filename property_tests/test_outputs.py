@@ -116,3 +116,104 @@ def test_a_stale_lock_is_taken_over(tmp_path, content):
     with OutputLock(tmp_path, "new run"):
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert not lock.exists()
+
+
+# ---- outputs that are not regular files (issue 29, item 10) -------------------------------------------------
+
+def _non_regular(tmp_path, kind: str):
+    path = tmp_path / kind.replace("/", "_")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/null":
+        path.symlink_to("/dev/null")
+    elif kind == "link to a file":
+        (tmp_path / "target.json").write_text("mine\n")
+        path.symlink_to(tmp_path / "target.json")
+    return path
+
+
+@pytest.mark.parametrize(("kind", "says"), [("fifo", "is a named pipe, not a regular file"),
+                                            ("link to /dev/null", "is a symbolic link"),
+                                            ("link to a file", "is a symbolic link")])
+def test_an_output_that_is_not_a_regular_file_is_refused_and_left_as_it_is(tmp_path, kind, says):
+    """`check --json X` with X a device node, a pipe or a link was exit 0 and X replaced by a regular file
+    (as root, `--json /dev/null` would replace the real one)."""
+    path = _non_regular(tmp_path, kind)
+    with pytest.raises(OutputError, match=says):
+        check_writable_file(path, option="--json")
+    with pytest.raises(OutputError, match=says):  # and where it appeared after the check: never replaced
+        atomic_write_text(path, "{}\n")
+    assert path.is_symlink() if kind.startswith("link") else path.is_fifo()
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+
+
+def test_a_character_device_is_refused():
+    with pytest.raises(OutputError, match="/dev/null is a character device, not a regular file"):
+        check_writable_file("/dev/null", option="--csv")
+
+
+# ---- the folder manifest: what fp8-parity wrote in a folder (issue 29, item 11) ---------------------------------
+
+def test_written_files_are_listed_with_their_checksums_and_the_folder_is_fp8_paritys(tmp_path):
+    from parity.folder_manifest import MANIFEST_FILE, check_folder, read_manifest, survey, write_files
+    write_files(tmp_path / "rep", {"summary.md": b"# report\n", "env.json": b"{}\n"})
+    listed = read_manifest(tmp_path / "rep")
+    assert set(listed) == {"summary.md", "env.json"} and listed["summary.md"].bytes == 9
+    assert all(entry.previous is None for entry in listed.values())
+    assert survey(tmp_path / "rep").clean and (tmp_path / "rep" / MANIFEST_FILE).is_file()
+    check_folder(tmp_path / "rep")
+    write_files(tmp_path / "rep", {"summary.md": b"# again\n"})  # a rewrite keeps the other entries
+    assert set(read_manifest(tmp_path / "rep")) == {"summary.md", "env.json"}
+    check_folder(tmp_path / "rep")
+
+
+def test_a_folder_of_the_users_files_is_refused_unless_forced(tmp_path):
+    from parity.folder_manifest import check_folder
+    (tmp_path / "index.html").write_text("mine")
+    with pytest.raises(OutputError, match=r"^--out .*: it holds index.html, which fp8-parity did not write \(it has "
+                                          r"no fp8-parity-manifest.json.*\): give a new or empty folder, or --force"):
+        check_folder(tmp_path, force=False)
+    with pytest.raises(OutputError, match=r"give a new or empty folder$"):  # a command without --force offers none
+        check_folder(tmp_path, force=None)
+    check_folder(tmp_path, force=True)
+    check_folder(tmp_path / "new", force=False)
+    (tmp_path / "empty").mkdir()
+    check_folder(tmp_path / "empty", force=False)
+
+
+def test_a_file_fp8_parity_wrote_and_the_user_changed_or_added_is_theirs(tmp_path):
+    from parity.folder_manifest import check_folder, write_files
+    write_files(tmp_path, {"summary.md": b"# report\n"})
+    (tmp_path / "summary.md").write_text("# report\nmy notes\n")
+    with pytest.raises(OutputError, match="summary.md changed since fp8-parity wrote it"):
+        check_folder(tmp_path)
+    (tmp_path / "summary.md").write_text("# report\n")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(OutputError, match="it holds notes/, which fp8-parity did not write: "):
+        check_folder(tmp_path)
+
+
+def test_a_protected_file_is_refused_by_name(tmp_path):
+    from parity.folder_manifest import check_folder, write_files
+    write_files(tmp_path, {"results.csv.gz": b"table"})
+    with pytest.raises(OutputError, match=r"its results.csv.gz holds an earlier table, which this run would "
+                                          r"replace: give a new or empty folder, or --force"):
+        check_folder(tmp_path, protected={"results.csv.gz": "an earlier table"})
+    check_folder(tmp_path, protected={"partial.csv.gz": "rows"})
+
+
+def test_a_write_killed_between_file_and_manifest_leaves_a_folder_still_fp8_paritys(tmp_path, monkeypatch):
+    """The manifest lists the new checksum beside the old one before the file changes: a run killed after the
+    file is written (or before) leaves content the manifest vouches for, and the temporary file of a write
+    killed midway is recognised as fp8-parity's."""
+    from parity import folder_manifest
+    folder_manifest.write_files(tmp_path, {"summary.md": b"old"})
+    monkeypatch.setattr(folder_manifest, "_write_manifest",
+                        lambda directory, entries, real=folder_manifest._write_manifest:
+                        real(directory, entries) if any(e.previous for e in entries.values())
+                        else (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        folder_manifest.write_files(tmp_path, {"summary.md": b"new"})
+    assert (tmp_path / "summary.md").read_bytes() == b"new"
+    (tmp_path / ".summary.md.abc123").write_bytes(b"ne")  # a temporary file left by a write killed midway
+    folder_manifest.check_folder(tmp_path)

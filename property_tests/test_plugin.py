@@ -67,6 +67,15 @@ def test_fp8_parity_test_with_an_implementation_that_does_not_load_is_a_usage_er
     assert "fp8_imp" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+def test_a_case_that_cannot_run_is_a_usage_error_not_a_failed_test(tmp_path):
+    """Issue 29: a case file that does not exist was `FAILED ::test_contracts - parity.cases.CaseError`, exit 1
+    (read as a finding of the implementation); it is pytest's usage error, said once."""
+    done = run(["-m", "parity", "test", "--impl", "fp8_impl", "--case", "M16K16N16|file:/no/such/case.pt"], tmp_path)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    says = "--fp8-case: case file /no/such/case.pt does not exist"
+    assert says in done.stdout + done.stderr and "FAILED" not in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
 def test_the_shipped_suite_with_the_cpu_computing_hoppers_bits_judges_them(tmp_path):
     """--fp8-cpu-gemm hopper: fast accumulation in grad_input (inner dim 512) differs from the H200's bits."""
     pytest.importorskip("mmaemu")

@@ -15,7 +15,7 @@ from matplotlib.image import imread
 
 from parity.cases import Case
 from parity.impls import load_impl
-from parity import report as report_module
+from parity import folder_manifest
 from parity import report_diff, report_plots
 from parity.bench import COLUMNS as BENCH_COLUMNS
 from parity.report import (ADDED_LATER, KEY, ResultsError, diff_results, read_results, render_diff, summary_tables,
@@ -320,15 +320,20 @@ def test_a_report_cut_short_never_leaves_the_old_summary_beside_a_new_table(resu
     write_report(results, tmp_path, plots=False)
     old_table = (tmp_path / "results.csv.gz").read_bytes()
 
-    def cut(*args, **kwargs):
-        raise KeyboardInterrupt
+    write = folder_manifest.atomic_write_bytes
 
-    monkeypatch.setattr(report_module, "atomic_write_text", cut)  # killed after the table, before the summary
+    def cut(path, data):
+        if path.name == "summary.md":
+            raise KeyboardInterrupt
+        return write(path, data)
+
+    monkeypatch.setattr(folder_manifest, "atomic_write_bytes", cut)  # killed after the table, before the summary
     with pytest.raises(KeyboardInterrupt):
         write_report(results.iloc[:-1], tmp_path, plots=False)
     assert (tmp_path / "results.csv.gz").read_bytes() != old_table
     assert len(read_results(tmp_path)) == len(results) - 1  # the new table, whole
     assert not (tmp_path / "summary.md").exists() and not (tmp_path / "index.html").exists()
+    folder_manifest.check_folder(tmp_path)  # still a folder fp8-parity wrote: a rerun may write it again
 
 
 def test_nonfinite_counts_separate_findings_from_overflow_of_the_data(results):
@@ -566,3 +571,53 @@ def test_the_sweep_feeds_its_progress_the_work_of_each_case():
     planned = case_work(cases[0][1]) + case_work(cases[1][1])
     assert calls == [(1, 2, (16 ** 3, planned)), (2, 2, (planned, planned))]
     assert case_work(cases[1][1]) == 32 * 32 * 16 * 2
+
+
+# ---- a table's seal: its row count and checksum (issue 29, item 8) -------------------------------------------
+
+def test_a_written_table_carries_its_seal_and_stays_a_plain_gzip_csv(report, results):
+    out, _ = report
+    frame = read_results(out)
+    assert frame.attrs["seal"].rows == len(results)
+    assert len(pd.read_csv(out / "results.csv.gz")) == len(results)  # any gzip reader reads it, seal ignored
+    assert gzip.decompress((out / "results.csv.gz").read_bytes()).startswith(b"case_id,")
+
+
+def test_a_table_cut_and_compressed_again_carries_no_seal_and_report_refuses_it(report, tmp_path, capsys):
+    """Half a FAIL table, gzipped again, read PASS (issue 29): `report` refuses a table without a seal unless
+    --unverified, which heads the verdict UNVERIFIED and exits 4 where it would pass."""
+    from parity.cli import main
+    out, _ = report
+    lines = gzip.decompress((out / "results.csv.gz").read_bytes()).splitlines(keepends=True)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "results.csv.gz").write_bytes(gzip.compress(b"".join(lines[:len(lines) // 2])))
+    assert read_results(tmp_path / "half").attrs["seal"] is None
+    assert main(["report", str(tmp_path / "half")]) == 2
+    assert "carries no seal (its row count and checksum): fp8-parity cannot tell whether it is complete" in \
+        capsys.readouterr().err
+    code = main(["report", str(tmp_path / "half"), "--unverified", "--candidate", "bf16", "--out",
+                 str(tmp_path / "rendered")])  # not beside it: fp8-parity did not write that folder
+    printed = capsys.readouterr().out
+    assert code == 4 and printed.startswith("UNVERIFIED: ") and "Among its rows: PASS: bf16" in printed, printed
+    assert "UNVERIFIED: " in (tmp_path / "rendered" / "summary.md").read_text()
+    assert read_results(tmp_path / "rendered").attrs["seal"] is None  # its copy does not vouch for it either
+
+
+def test_report_of_a_report_folder_writes_into_it_and_nowhere_else(report, tmp_path):
+    """`report DIR/rep` wrote summary.md and index.html into DIR, over the user's own (issue 29, item 11)."""
+    import shutil
+    from parity.cli import main
+    out, _ = report
+    shutil.copytree(out, tmp_path / "rep")
+    (tmp_path / "summary.md").write_text("mine\n")
+    assert main(["report", str(tmp_path / "rep"), "--candidate", "bf16"]) in (0, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "summary.md"]
+    assert (tmp_path / "summary.md").read_text() == "mine\n"
+
+
+def test_a_passing_verdict_states_what_its_cases_covered(results):
+    """Issue 29, item 9: a pass says the largest M, K, N, the dtypes and layouts that ran (here two tiny cases)."""
+    judged = verdict(results)
+    assert judged.ok and judged.headline.endswith(
+        ". Covered: M <= 16, K <= 32, N <= 16, input bf16, weight bf16, layouts C/T, 2-D/3-D input, with and without "
+        "bias, up to 1 call, 2 of 13 data distributions"), judged.headline

@@ -122,3 +122,14 @@ def test_check_and_sweep_agree_on_every_builtin_pair(impl):
         verdicts.append(swept)
     assert verdict(frame, candidate=candidate.name).ok == all(verdicts)
     assert all(verdicts) == (impl != "evals/zoo/mutants.py:weight_scale_bf16")
+
+
+def test_the_cpu_layers_preset_runs_real_layer_shapes_on_a_cpu():
+    """Issue 29, build 3: a documented preset covers real layer shapes on a CPU (past every case of check's
+    search, M, K, N <= 256), at a token count equal to no K or N (two GEMMs of the same shapes cost the
+    operand diagnosis twice the time)."""
+    from parity.sweep import PRESETS
+    named = [case for label, case in PRESETS["cpu-layers"].cases("cpu") if label not in ("edge case", "sampled")]
+    assert len(named) == 12 and min(case.M for case in named) >= 512
+    assert max(case.K for case in named) == max(case.N for case in named) == 2048
+    assert all(case.M not in (case.K, case.N) for case in named)

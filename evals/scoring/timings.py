@@ -31,7 +31,8 @@ def commands(device: str, out: str, suite: bool) -> list[tuple[str, list[str], i
     """(name, argv, expected exit code, bar in seconds)."""
     parity = [sys.executable, "-m", "parity"]
     listed = [
-        ("default sweep", [*parity, "sweep", "--device", device, "--quiet", "--out", out], 0, 60.0),
+        # --force: each repeat writes over the report of the one before (refused otherwise)
+        ("default sweep", [*parity, "sweep", "--device", device, "--quiet", "--out", out, "--force"], 0, 60.0),
         ("default check", [*parity, "check", "--impl", "fp8_impl", "--device", device, "--quiet"], 0, 30.0),
         ("bisect of a mutant", [*parity, "bisect", "--impl", "evals/zoo/mutants.py:weight_scale_bf16",
                                 "--device", device], 1, 30.0 if device == "cuda" else 60.0),

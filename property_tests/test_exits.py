@@ -1,0 +1,101 @@
+"""parity.exits and parity.cli.main's mapping of what a command raised to an exit code (issue 29, item 15):
+FP8_PARITY_TRACEBACK read as a switch, an internal error exit 3 with or without its traceback (an uncaught
+exception exits 1, which reads as a violation), and every printed error one bounded line."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from parity import cli
+from parity.exits import EXIT_INTERNAL, EXIT_USAGE, MESSAGE_CHARS, UsageError, one_line, traceback_requested
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("false", False), ("No", False), ("", False),
+                                           ("off", False), ("1", True), ("TRUE", True), ("yes", True), ("on", True)])
+def test_the_traceback_switch_reads_zero_as_off(monkeypatch, value, on):
+    monkeypatch.setenv("FP8_PARITY_TRACEBACK", value)
+    assert traceback_requested() is on
+
+
+def test_a_traceback_switch_that_is_neither_on_nor_off_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("FP8_PARITY_TRACEBACK", "sometimes")
+    with pytest.raises(UsageError, match="FP8_PARITY_TRACEBACK='sometimes': expected 1"):
+        traceback_requested()
+    assert cli.main(["report", "nothere"]) == EXIT_USAGE
+    assert capsys.readouterr().err.startswith("fp8-parity report: FP8_PARITY_TRACEBACK='sometimes'")
+
+
+def _raise_internal_error(args):
+    raise RuntimeError("a bug of fp8-parity, " + "x" * 10**6)
+
+
+@pytest.mark.parametrize("switch", ["0", "1", None])
+def test_an_internal_error_exits_3_in_one_bounded_line_with_the_traceback_only_on_request(monkeypatch, capsys,
+                                                                                        switch):
+    if switch is None:
+        monkeypatch.delenv("FP8_PARITY_TRACEBACK", raising=False)
+    else:
+        monkeypatch.setenv("FP8_PARITY_TRACEBACK", switch)
+    monkeypatch.setattr(cli, "command", lambda name: _raise_internal_error)
+    assert cli.main(["report", "nothere"]) == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fp8-parity report: internal error of fp8-parity: RuntimeError: a bug of fp8-parity")
+    assert len(last) < 2 * MESSAGE_CHARS and "1000021 characters in all" in last
+    assert ("Traceback" in err) is (switch == "1")
+    if switch != "1":
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_a_user_error_with_a_huge_message_is_one_bounded_line(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "command", lambda name: lambda args: (_ for _ in ()).throw(UsageError("y" * 10**7)))
+    assert cli.main(["report", "nothere"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err) < 2 * MESSAGE_CHARS and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("short", "short"), ("two\nlines\n", "two / lines"), ("", ""),
+])
+def test_one_line_keeps_short_text_and_joins_lines(text, expected):
+    assert one_line(text) == expected
+
+
+def test_one_line_cuts_a_long_text_and_says_how_long_it_was():
+    cut = one_line("z" * 5000, limit=100)
+    assert cut == "z" * 100 + "... (5000 characters in all)"
+
+
+class _SignalledWhenCollected:
+    """An object whose finalizer receives SIGTERM: the handler's exception is raised inside __del__, where
+    Python prints "Exception ignored" and goes on (how a check given SIGTERM went on to PASS, exit 0)."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(1000))  # a few bytecodes, at which the handler runs
+
+
+def test_a_stop_signal_whose_exception_was_lost_never_ends_in_a_verdict(monkeypatch, capsys):
+    def command(args):
+        _SignalledWhenCollected()  # collected at once: the signal arrives inside its __del__
+        print("PASS: everything")
+        return 0
+
+    monkeypatch.setattr(cli, "command", lambda name: command)
+    assert cli.main(["report", "nothere"]) == 143
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["fp8-parity report: interrupted by SIGTERM; what it printed is void"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+
+
+def test_a_check_stops_at_its_next_case_after_a_lost_stop_signal(monkeypatch):
+    from parity import exits
+    from parity.check import CheckPlan, run_check
+    from parity.exits import Terminated
+    from parity.impls import load_impl
+    monkeypatch.setattr(exits, "_STOPS", [signal.SIGTERM])
+    with pytest.raises(Terminated):
+        run_check(CheckPlan.make(load_impl("bf16"), device="cpu"), device="cpu", max_examples=1)
