@@ -224,7 +224,8 @@ def plot_underflow_heatmap(fig, result: TrainResult) -> None:
 
 def write_train_report(result: TrainResult, out_dir: str | Path) -> list[Path]:
     """results.csv.gz, env.json, loss.png, sqnr_heatmap.png, underflow_heatmap.png, summary.md and
-    index.html, through parity.report's one writer. The first divergence is the first section."""
+    index.html, through parity.report's one writer. The first divergence is the first section. An
+    interrupted run's report has no plots (drawing them takes seconds, matplotlib's import included)."""
     plan = result.plan
     options = "".join([f", gradient accumulation {plan.grad_accum}" if plan.grad_accum > 1 else "",
                        ", activation checkpointing" if plan.checkpoint else "",
@@ -257,7 +258,9 @@ def write_train_report(result: TrainResult, out_dir: str | Path) -> list[Path]:
                  "optimizer of the four runs, with the probes), bitwise comparisons, numerics", timing_table(result)),
     ]
     plots = {"loss.png": partial(plot_loss, result=result)}
-    if result.frame["sampled"].any():
+    if result.interrupted is not None:  # a Ctrl-C wants its prompt back: the tables are written in a second
+        plots = {}
+    elif result.frame["sampled"].any():
         plots.update({"sqnr_heatmap.png": partial(plot_sqnr_heatmap, result=result),
                       "underflow_heatmap.png": partial(plot_underflow_heatmap, result=result)})
     return write_report(result.frame, out_dir, title=title, verdict=result.verdict, tables=tables, plots=False,
