@@ -276,8 +276,9 @@ def test_a_rank_that_exits_0_while_loading_your_code_is_an_error_of_that_run(tmp
     path = tmp_path / "exits_in_a_rank.py"
     path.write_text(EXITS_IN_A_RANK)
     start = time.monotonic()
-    results = run_distributed_parity([("ddp", f"{path}:matmul"), ("ddp", TORCHAO)], timeout_s=120)
-    assert time.monotonic() - start < 60  # seen when the rank ends, not waited out
+    results = run_distributed_parity([("ddp", f"{path}:matmul"), ("ddp", TORCHAO)], timeout_s=600)
+    # seen when the rank ends, not waited out (two ranks start in seconds; 101 s at a load of 15 on 2 cores)
+    assert time.monotonic() - start < 300
     error = results["ddp", f"{path}:matmul"].error
     assert error is not None and "exited the process with code 0 without reporting" in error, error
     assert results["ddp", TORCHAO].error.startswith("no result: rank "), results
