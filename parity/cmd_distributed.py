@@ -3,11 +3,14 @@ data-parallel wrapper, step by step, bitwise against its reference under the sam
 
 Both run in ONE launch of N ranks (parity.distributed.run_distributed_parity: gloo on the CPU,
 nccl on GPUs, one GPU a rank), each rank loading both implementations by name; every nn.Linear of
-a small MLP is converted as `fp8-parity train` converts a model. Each rank trains on 16 rows of the
-batch (the recipe's alignment where that is larger: an FP8 GEMM dim). Exit 0 when every step's loss
-and every parameter's gradient are bitwise equal, 1 with the first step and parameter that differ
-(or the candidate's exception), 2 for bad usage, 125 when it cannot run here (no GPU per rank, no
-torch.distributed, the reference itself failing, or a launch that died or ran out of time).
+a small MLP is converted as `fp8-parity train` converts a model. This process never imports your
+code: a worker reads the form and recipe of --impl and --against (parity.train_worker.describe_impl).
+Each rank trains on 16 rows of the batch (the recipe's alignment where that is larger: an FP8 GEMM
+dim). Exit 0 when every step's loss and every parameter's gradient are bitwise equal, 1 with the
+first step and parameter that differ, or the candidate's exception, death (an exit at import or in
+an exit hook, any code) or time-out, in a rank or in the worker that read it; 2 for bad usage, 125
+when it cannot run here (no GPU per rank, no torch.distributed, the reference itself failing, or a
+launch that died or ran out of time before its first run).
 """
 
 from __future__ import annotations
