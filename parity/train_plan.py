@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from parity.model import GPTConfig, MarkovSource, ModelError, TokenFile, get_model_config, is_model_factory
 from parity.names import DEFAULT_BASELINE, FACTORY_PROTOCOL, LEARNING_RATE  # (the parser shows them without torch)
 from parity.recipes import Recipe, get_recipe
-from parity.report import Verdict
+
+if TYPE_CHECKING:  # the report's modules import matplotlib and hypothesis: seconds a run's worker need not pay
+    from parity.report_verdict import Verdict
 
 # DeepSeek-V3 (arXiv 2412.19437, section 3.3): FP8 training's relative loss error against BF16
 # "consistently remains below 0.25%". A reference line, drawn in the report and used as the floor

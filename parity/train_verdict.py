@@ -9,7 +9,7 @@ import math
 import pandas as pd
 
 from parity.exits import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_PASS
-from parity.report import Verdict
+from parity.report_verdict import Verdict
 from parity.train_plan import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, TrainResult
 
 
