@@ -176,6 +176,7 @@ class _Lockstep:
     out_dir: str | Path | None
     timeout: float | None = None  # --timeout: each call's limit
     time_limit: float = BUILD_S  # the limit of a micro-batch or an optimizer step, set once the runs are built
+    harness_limit: float = BUILD_S  # the harness's own work on a micro-batch (fingerprints, numerics): the default
     rows: list[dict] = field(default_factory=list)
     timing: list[dict] = field(default_factory=list)
     divergence: Divergence | None = None
@@ -231,8 +232,9 @@ class _Lockstep:
                 raise ModelError(f"--model {plan.model!r}: the factory gave other initial weights in two calls under "
                                  f"torch.manual_seed({plan.seed}): draw them from torch's global generator, so that "
                                  f"every run starts from the same model")
-        self.time_limit = self.timeout or default_time_limit(matmul_params, shape.batch_size * shape.seq_len,
-                                                             torch_device_type(plan.device))
+        default = default_time_limit(matmul_params, shape.batch_size * shape.seq_len, torch_device_type(plan.device))
+        self.time_limit = self.timeout or default
+        self.harness_limit = max(default, self.time_limit)
         return shape
 
     def _build(self, run: _RemoteRun, spec: tuple[str, str | None, str | None]) -> dict | None:
@@ -265,13 +267,16 @@ class _Lockstep:
             begin = time.perf_counter()
             replies = {}
             for run in self.runs:
-                replies[run.role] = self.call(
-                    run, train_worker.micro_batch, batch, at=at, where=at, loss_scale=1.0 / plan.grad_accum,
-                    first_micro=micro == 0, sampled=sampled, results=run.role in COMPARED,
-                    recompute=plan.checkpoint, keep_previous=self._keeps_previous(run))
-                if replies[run.role] is None:
+                trained = self.call(run, train_worker.micro_batch, batch, at=at, where=at,
+                                    loss_scale=1.0 / plan.grad_accum, first_micro=micro == 0,
+                                    keep_previous=self._keeps_previous(run))
+                measured = trained and self.call(run, train_worker.measure, at=at, time_limit=self.harness_limit,
+                                                 where=at, results=run.role in COMPARED, recompute=plan.checkpoint,
+                                                 sampled=sampled)
+                if measured is None:
                     return False
-                phases["numerics_s"] += replies[run.role].get("numerics_s", 0.0)
+                replies[run.role] = dict(trained, **measured)
+                phases["numerics_s"] += measured.get("numerics_s", 0.0)
             compared = time.perf_counter()
             phases["train_s"] += compared - begin
             bitwise = self._compare(step, micro, replies)

@@ -222,12 +222,11 @@ def _keep_previous(*, copy: bool) -> None:
                       if probe.call is not None and probe.call.grad_output is not None})
 
 
-def micro_batch(tokens: torch.Tensor, *, where: str, loss_scale: float, first_micro: bool, sampled: bool,
-                results: bool, recompute: bool, keep_previous: bool) -> dict:
-    """Forward and backward of one micro-batch (gradients add up until finish). `where`: "step 3" or
-    "step 3, micro-batch 1", for the phase a death is reported in. Answers the loss, the layers' forward
-    order, the fingerprints of every GEMM's result (`results`), of each output and its checkpoint
-    recompute (`recompute`), the numerics (`sampled`), and the global state changed."""
+def micro_batch(tokens: torch.Tensor, *, where: str, loss_scale: float, first_micro: bool,
+                keep_previous: bool) -> dict:
+    """Forward and backward of one micro-batch (gradients add up until finish): the code under test runs.
+    `where`: "step 3" or "step 3, micro-batch 1", for the phase a death is reported in. Answers the loss,
+    the layers' forward order and the global state changed."""
     run = _RUN
     if keep_previous and not first_micro:  # the step's previous micro-batch; its weights are this one's
         _keep_previous(copy=False)
@@ -241,8 +240,16 @@ def micro_batch(tokens: torch.Tensor, *, where: str, loss_scale: float, first_mi
         return _usage(err)
     except BaseException as err:  # noqa: BLE001 - an implementation that raises or exits is a finding
         return dict(crash=_where(err), state_changes=state.changes_since())
-    reply = dict(loss=run.micro_losses[-1], order=list(run.state.order), state_changes=state.changes_since())
-    report_phase(run.impl.name, f"{where}: fingerprints and numerics (the harness's)")
+    return dict(loss=run.micro_losses[-1], order=list(run.state.order), state_changes=state.changes_since())
+
+
+def measure(*, where: str, results: bool, recompute: bool, sampled: bool) -> dict:
+    """What the harness reads of the micro-batch just run (no code under test runs here; parity.train
+    gives it a time limit of its own): the fingerprints of every GEMM's result (`results`), of each
+    output and its checkpoint recompute (`recompute`), and the numerics of a sampled step (`sampled`)."""
+    run = _RUN
+    report_phase(run.impl.name, f"{where}: the harness's fingerprints and numerics")
+    reply = {}
     if results:
         reply["results"] = {name: [fingerprint(t) for t in probe.results().values()]
                             for name, probe in run.probes.items()}

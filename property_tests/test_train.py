@@ -428,19 +428,20 @@ def test_a_runs_replies_are_plain_data_the_restricted_unpickler_reads(tmp_path):
     _, micro_batches = train._micro_batches(plan, plan.config)
     replies = [train_worker.start_run(setup)]
     for step in range(2):
-        replies.append(train_worker.micro_batch(micro_batches[step][0], where=f"step {step}", loss_scale=1.0,
-                                                first_micro=True, sampled=True, results=True, recompute=True,
-                                                keep_previous=True))
+        trained = train_worker.micro_batch(micro_batches[step][0], where=f"step {step}", loss_scale=1.0,
+                                           first_micro=True, keep_previous=True)
+        replies += [trained, train_worker.measure(where=f"step {step}", results=True, recompute=True, sampled=True)]
         replies.append(train_worker.call_tensors("blocks.0.attn.c_q"))
         replies.append(train_worker.finish(where=f"step {step}", keep_previous=True))
     for index, reply in enumerate(replies):
         assert not {"crash", "usage"} & set(reply), reply
         torch.save(reply, tmp_path / f"{index}.pt")
         torch.load(tmp_path / f"{index}.pt", weights_only=True)
-    built, step0, tensors0, _, _, tensors1, _ = replies
+    built, trained0, measured0, tensors0, _, _, _, tensors1, _ = replies
     assert built["impl"]["name"] == "fp8_impl" and built["impl"]["default_against"] == "torchao:tensorwise"
-    assert len(built["layers"]) == TINY_LAYERS and step0["state_changes"] == []
-    assert set(step0["numerics"]["lm_head"]) == {"output", "grad_input", "grad_weight"}
+    assert len(built["layers"]) == TINY_LAYERS and trained0["state_changes"] == []
+    assert set(measured0["numerics"]["lm_head"]) == {"output", "grad_input", "grad_weight"}
+    assert measured0["results"]["lm_head"][0][:2] == ["bfloat16", [8, 32, 64]]
     assert tensors0["previous"] is None and tensors1["previous"] is not None  # the call before: step 0's
     assert torch.equal(tensors1["previous"]["input"], tensors0["call"]["input"])
     assert not torch.equal(tensors1["previous"]["weight"], tensors1["call"]["weight"])  # an optimizer step between
