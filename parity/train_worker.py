@@ -188,11 +188,15 @@ def start_run(setup: dict) -> dict:
     except BaseException as err:  # noqa: BLE001 - a factory that exits or raises past build_user_model
         return _usage(ModelError(f"--model {model_name!r}: calling the factory raised {_where(err)}; it must return "
                                  f"the model"))
-    digest = weights_digest(model) if is_model_factory(model_name) else None
+    try:
+        digest = weights_digest(model) if is_model_factory(model_name) else None
+    except Exception as err:  # noqa: BLE001 - parameters of your model's that cannot be read as bytes
+        return _usage(ModelError(f"--model {model_name!r}: its initial weights cannot be read: {_where(err)}"))
     state = GlobalState.capture()
     report_phase(name, "loading the implementation")
     try:
         impl = load_impl(name, form=form, recipe=recipe)
+        description = _description(impl, torch_device_type(setup["device"]))
     except ImplError as err:  # a name or a form that does not load (an import that exits says so)
         return _usage(err)
     except BaseException as err:  # noqa: BLE001 - past load_impl's own handling: the implementation's
@@ -208,7 +212,7 @@ def start_run(setup: dict) -> dict:
         return dict(crash=f"converting the model: {_where(err)}", state_changes=state.changes_since())
     _RUN, _DEVICE = run, setup["device"]
     _PREVIOUS.clear()
-    return dict(impl=_description(impl, torch_device_type(_DEVICE)), layers=list(run.probes), digest=digest,
+    return dict(impl=description, layers=list(run.probes), digest=digest,
                 shape=dataclasses.asdict(shape) if isinstance(shape, UserModelShape) else None,
                 matmul_params=sum(probe.weight_param.numel() for probe in run.probes.values()),
                 state_changes=state.changes_since())
@@ -249,6 +253,13 @@ def measure(*, where: str, results: bool, recompute: bool, sampled: bool) -> dic
     output and its checkpoint recompute (`recompute`), and the numerics of a sampled step (`sampled`)."""
     run = _RUN
     report_phase(run.impl.name, f"{where}: the harness's fingerprints and numerics")
+    try:
+        return _measured(run, results=results, recompute=recompute, sampled=sampled)
+    except BaseException as err:  # noqa: BLE001 - tensors the code under test made that cannot be read
+        return dict(crash=f"its tensors could not be read: {_where(err)}")
+
+
+def _measured(run: Run, *, results: bool, recompute: bool, sampled: bool) -> dict:
     reply = {}
     if results:
         reply["results"] = {name: [fingerprint(t) for t in probe.results().values()]
@@ -270,10 +281,13 @@ def call_tensors(layer: str) -> dict:
     probe = _RUN.probes[layer]
     if probe.call is None:
         return dict(call=None, previous=None)
-    call = {field.name: _plain(getattr(probe.call, field.name)) for field in dataclasses.fields(Call)}
-    previous = _PREVIOUS.get(layer)
-    return dict(call=dict(call, weight=_plain(probe.weight_param)),
-                previous=None if previous is None else {name: _plain(t) for name, t in previous.items()})
+    try:
+        call = {field.name: _plain(getattr(probe.call, field.name)) for field in dataclasses.fields(Call)}
+        previous = _PREVIOUS.get(layer)
+        return dict(call=dict(call, weight=_plain(probe.weight_param)),
+                    previous=None if previous is None else {name: _plain(t) for name, t in previous.items()})
+    except BaseException as err:  # noqa: BLE001 - tensors the code under test made that cannot be read
+        return dict(crash=f"its tensors could not be read: {_where(err)}")
 
 
 def finish(*, where: str, keep_previous: bool) -> dict:
