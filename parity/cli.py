@@ -285,6 +285,11 @@ def _add_train(commands) -> None:
                        help="AdamW learning rate (default: the model's: "
                             + ", ".join(f"{c.name} {c.learning_rate:g}" for c in MODELS.values())
                             + f"; {LEARNING_RATE:g} for your own model)")
+    train.add_argument("--timeout", type=_amount(0, 86400, "--timeout 300", low_open=True), default=None,
+                       metavar="SECONDS",
+                       help="time limit of each run's micro-batch (forward and backward) and optimizer step, past "
+                            "which the run is stopped and is a finding (default: 120 s plus the step's size at a "
+                            "pessimistic rate)")
     train.add_argument("--seed", type=_count(0, 2**31 - 1, "--seed 0"), default=0,
                        help="seed of the weights and the data (the noise run uses seed + 1)")
     train.add_argument("--out", type=Path, default=None, help="report directory (default reports/<timestamp>/)")

@@ -1,18 +1,22 @@
-"""`fp8-parity train`: lockstep training runs compared GEMM by GEMM (parity.train), and their
-report (parity.train_report)."""
+"""`fp8-parity train`: lockstep training runs compared GEMM by GEMM (parity.train), each run in its own
+worker process, and their report (parity.train_report). Exit 0 when parity and the loss hold, 1 for a
+finding (a run that raised, died, ran out of time or changed torch's global state included), 2 for bad
+usage, 4 when Ctrl-C or SIGTERM stopped training and the steps that finished hold no finding (their
+report is headed INCOMPLETE)."""
 
 from __future__ import annotations
 
 import sys
 
 from parity import cmd_inputs
-from parity.exits import EXIT_FAIL, EXIT_PASS, UsageError
+from parity.exits import UsageError
 from parity.model import ModelError
 from parity.outputs import OutputLock
 from parity.progress import Progress
 from parity.train import run_training
 from parity.train_plan import TrainError, TrainPlan
 from parity.train_report import write_train_report
+from parity.train_verdict import exit_code
 
 
 def cmd_train(args) -> int:
@@ -31,7 +35,7 @@ def cmd_train(args) -> int:
               file=sys.stderr)
         with OutputLock(out):
             with Progress(not args.quiet, "steps") as progress:
-                result = run_training(plan, out_dir=out, progress=progress)
+                result = run_training(plan, out_dir=out, progress=progress, timeout=args.timeout)
             write_train_report(result, out)
     except (TrainError, ModelError) as err:
         raise UsageError(str(err)) from None
@@ -44,4 +48,4 @@ def cmd_train(args) -> int:
     seconds_per_step = result.frame.attrs["env"].get("seconds_per_step")
     print(f"report: {out}/summary.md ({result.seconds:.1f} s"
           + (f", {seconds_per_step:.3f} s per step" if seconds_per_step is not None else "") + ")")
-    return EXIT_PASS if judged.ok else EXIT_FAIL
+    return exit_code(result)

@@ -16,7 +16,8 @@ from typing import Callable
 # localize again (bisect's step 4). Spawned together, each is ready when the first is: on the H200 a
 # bisect's triggers had waited 5-10 s for a worker spawned only when the one before was taken. (No
 # more processes than before: taking a worker spawns its replacement anyway, only later.)
-RUNS_YOUR_CODE = {"check": 2, "bisect": 3, "sweep": 1}
+# train: its four runs (candidate, against, baseline, baseline from another seed), each in its own worker.
+RUNS_YOUR_CODE = {"check": 2, "bisect": 3, "sweep": 1, "train": 4}
 
 # command -> "module:function" of its body.
 COMMANDS = {

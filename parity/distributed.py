@@ -16,8 +16,11 @@ trains the same model on the full batch in this process, and `compare_runs` turn
 into rows: per step and parameter, bitwise equality, max abs difference and SQNR.
 
 An implementation is anything parity.impls.load_impl loads (a built-in, `module:attr` or
-`file.py:attr`, in any of the three forms): the parent loads it to refuse a bad name before
-anything is spawned, and each rank loads it again by name (an Impl pickles by name). Every
+`file.py:attr`, in any of the three forms), or its description (parity.train_plan.RunImpl, made in
+a worker by parity.train_worker.describe_impl: `check --distributed` never imports your code in the
+process that judges); each rank loads it by name. A rank that dies without reporting (an exit at
+import or in an exit hook, with any code, a crash in native code) or runs past the launch's time
+limit is an error of the run it was in (each rank writes the run it is in to shared memory first). Every
 nn.Linear of the MLP is converted as `fp8-parity train` converts a model
 (parity.impls.convert_linears). torchao's FP8 all-gather under FSDP2 is the built-in
 parity.impls.FSDP_FLOAT8_ALL_GATHER.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import tempfile
 import time
@@ -260,13 +264,15 @@ class _Launch:
     out_dir: str
 
 
-def _worker(rank: int, launch: _Launch, messages) -> None:
+def _worker(rank: int, launch: _Launch, messages, progress) -> None:
     """One rank: train every run in order; rank 0 saves each result to out_dir.
 
     Messages to the parent: ("error", rank, run_index or None, text) on the first
     exception, after which this rank stops (its peers may be blocked in a collective; the
-    parent ends them); ("done", rank) when every run is finished. A result file exists
-    only once complete (written aside, then renamed).
+    parent ends them); ("done", rank) when every run is finished. progress[rank] is the index
+    of the run this rank is in (shared memory, written at once: a rank that dies without a
+    message still says where). A result file exists only once complete (written aside, then
+    renamed).
     """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.port))
     if launch.backend == "nccl":
@@ -282,6 +288,7 @@ def _worker(rank: int, launch: _Launch, messages) -> None:
         dist.init_process_group(launch.backend, rank=rank, world_size=launch.world_size,
                                 timeout=timedelta(seconds=launch.timeout_s))
         for run_index, (mode, impl_args) in enumerate(launch.runs):
+            progress[rank] = run_index
             result = train(launch.spec, mode, reload_impl(*impl_args), device=device, rank=rank,
                            world_size=launch.world_size)
             if rank == 0:
@@ -328,24 +335,37 @@ class _Failure(NamedTuple):
     text: str
 
 
-def _await_workers(processes, messages, world_size: int, deadline: float) -> _Failure | None:
-    """Read messages until every rank is done (None) or one fails (its failure)."""
+def _await_workers(processes, messages, world_size: int, deadline: float, progress,
+                   timeout_s: float) -> _Failure | None:
+    """Read messages until every rank is done (None) or one fails (its failure: an exception it
+    reported, or, within a run, an exit without reporting or the time limit). DistributedRunError
+    for a rank that died or hung before its first run (process group setup, or a failed start)."""
     done = set()
     while len(done) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             running = [rank for rank, p in enumerate(processes) if p.is_alive()]
+            within = [rank for rank in running if progress[rank] >= 0]
+            if within:
+                return _Failure(within[0], progress[within[0]], f"ran past the launch's time limit of {timeout_s:g} s "
+                                f"(a hang, or a slow machine: raise --timeout)")
             raise DistributedRunError(f"the launch did not finish within timeout_s; ranks {running} were still "
                                       f"running (a hang in a collective, or a slow machine: raise timeout_s)")
         try:
             message = messages.get(timeout=min(remaining, 0.5))
         except queue.Empty:
-            silent = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
+            # any exit code, 0 included: a rank that ends before "done" was ended by the code it ran
+            silent = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode is not None
+                      and rank not in done]
             if silent and messages.empty():
                 rank, code = silent[0]
-                raise DistributedRunError(f"rank {rank} exited with code {code} without reporting (killed, out of "
-                                          f"memory, crashed in native code, or failed to start: see its stderr)"
-                                          ) from None
+                what = (f"was killed by signal {signal.Signals(-code).name}" if code < 0 and -code in
+                        signal.valid_signals() else f"exited the process with code {code}")
+                if progress[rank] >= 0:
+                    return _Failure(rank, progress[rank], f"{what} without reporting (an exit at import or in an "
+                                                          f"exit hook, a crash in native code, or killed)")
+                raise DistributedRunError(f"rank {rank} {what} without reporting (killed, out of memory, crashed in "
+                                          f"native code, or failed to start: see its stderr)") from None
             continue
         if message[0] == "done":
             done.add(message[1])
@@ -368,18 +388,20 @@ def run_distributed_parity(runs: Sequence[tuple[str, Impl | str]], spec: TrainSp
                            timeout_s: float = 120.0) -> dict[tuple[str, str], RunResult]:
     """Train each (mode, impl) of `runs` on `world_size` spawned ranks; one launch for all of them.
 
-    mode: "ddp" or "fsdp2". impl: an Impl, or a name parity.impls.load_impl loads ("fp8_impl",
-    "torchao:tensorwise", parity.impls.FSDP_FLOAT8_ALL_GATHER, "path/to/file.py:attr", ...),
-    each in the form it is (function, module or converter). Every run starts from the same
+    mode: "ddp" or "fsdp2". impl: an Impl, a name parity.impls.load_impl loads here ("fp8_impl",
+    "torchao:tensorwise", parity.impls.FSDP_FLOAT8_ALL_GATHER, "path/to/file.py:attr", ...), or a
+    description made in a worker (parity.train_plan.RunImpl: nothing is imported here), each in the
+    form it is (function, module or converter). Every run starts from the same
     weights and batch (see TrainSpec). backend="gloo", device="cpu" runs anywhere (torch._scaled_mm is
     emulated on the CPU); backend="nccl", device="cuda" puts rank r on GPU r.
 
     Returns {(mode, impl name): RunResult}, in the order of `runs`. A run that raises on any rank
     gets a RunResult whose error names the rank and the exception; the other runs without a
     saved result say which run failed first (the launch stops at the first failure: the
-    failed rank's peers may be stuck in a collective). Raises DistributedRunError if the
-    launch itself fails: a worker dies without reporting, or the launch takes longer than
-    timeout_s (also the process group's timeout). Every worker is ended before returning.
+    failed rank's peers may be stuck in a collective); so does a run in which a rank died without
+    reporting or that ran past timeout_s (also the process group's timeout). Raises
+    DistributedRunError if the launch itself fails before any run: a rank dies or hangs in its
+    start. Every worker is ended before returning.
     """
     runs = _check_launch(runs, backend, world_size, device, spec)
     context = mp.get_context("spawn")
@@ -387,13 +409,15 @@ def run_distributed_parity(runs: Sequence[tuple[str, Impl | str]], spec: TrainSp
         launch = _Launch(tuple((mode, impl.reload_args) for mode, impl in runs), spec, backend, world_size, device,
                          free_port(), timeout_s, out_dir)
         messages = context.Queue()
-        processes = [context.Process(target=_worker, args=(rank, launch, messages), daemon=True)
+        progress = context.Array("i", [-1] * world_size, lock=False)  # the run each rank is in
+        processes = [context.Process(target=_worker, args=(rank, launch, messages, progress), daemon=True)
                      for rank in range(world_size)]
         for process in processes:
             process.start()
         finished = False
         try:
-            failure = _await_workers(processes, messages, world_size, time.monotonic() + timeout_s)
+            failure = _await_workers(processes, messages, world_size, time.monotonic() + timeout_s, progress,
+                                     timeout_s)
             finished = failure is None
         finally:
             _stop(processes, graceful=finished)

@@ -8,6 +8,15 @@ checkpointing advances), a converter that leaves a layer in bf16, scales that me
 and gradients. This module trains the same model several ways IN LOCKSTEP and compares them GEMM by
 GEMM at every call.
 
+Each run lives in its own worker process (parity.worker, through parity.train_worker): it builds its
+model there (your --model factory runs there), loads and converts its implementation there, and
+answers each micro-batch and optimizer step in plain data. This process never imports your code: it
+keeps the lockstep, compares, judges and writes the case file and the report. A run that raises,
+exits the process (with any code, through posix._exit too), is killed, runs past its time limit
+(--timeout, per call: one run's micro-batch or optimizer step) or changes torch's global state is a
+finding that names the run, the step and the phase; Ctrl-C or SIGTERM stops training within about a
+second and keeps the steps that finished (the report is headed INCOMPLETE).
+
 The runs (each a parity.model.GPT on parity.model's synthetic language, so nothing is downloaded,
 or your own model and data: see below):
 
@@ -27,7 +36,8 @@ output, grad_output and grad_input (identity autograd functions on either side o
 the gradients), and its weight gradient of this call (a hook on the weight parameter, which sees
 the call's gradient before it is added into .grad). So at every call the three GEMMs of every
 layer (output, grad_input, grad_weight) of the candidate are compared bitwise with the against
-run's. While the runs agree bitwise their inputs are identical too, so the FIRST (step,
+run's (through fingerprints of every bit, and a divergence confirmed on the tensors themselves:
+parity.train_worker says why). While the runs agree bitwise their inputs are identical too, so the FIRST (step,
 micro-batch, layer, GEMM) that differs, in execution order (forward through the layers, then
 backward in reverse), is where the implementations part: later differences are consequences.
 That GEMM's operands are saved as a case file (parity.data.write_case_file: this call and the one
@@ -73,11 +83,8 @@ Your own model and data (parity.model's docstring has the protocol):
     --data FILE                       token ids in a .pt or .npy file, or UTF-8 text read as bytes
                                       (vocabulary 256); no entropy rate is known, so no loss floor
 """
-
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -86,147 +93,41 @@ from typing import Callable
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from parity import cpu_gemm, sandbox
+from parity import train_worker
 from parity.data import write_case_file
 from parity.env import environment
-from parity.impls import Impl, convert_linears, default_reference, load_impl
-from parity.model import GPT, GPTConfig, MarkovSource, TokenFile, UserModelShape, batches, build_user_model
+from parity.exits import interrupted_by
+from parity.impls import ImplError, default_reference, load_impl
+from parity.model import GPTConfig, MarkovSource, ModelError, TokenFile, UserModelShape, batches
 from parity.policy import Policy, default_policy
 from parity.recipes import GEMMS
-from parity.report import Verdict
-from parity.train_numerics import gemm_numerics
-from parity.train_plan import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, Divergence, TrainError, TrainPlan, TrainResult
-from parity.train_probes import LayerProbe, RunState, same
+from parity.train_plan import ROLES, Divergence, RunImpl, TrainError, TrainPlan, TrainResult
+from parity.train_probes import Call, same
+from parity.train_run import build_run, forward_backward, initial_model
+from parity.train_verdict import loss_table, losses_per_step, train_verdict  # noqa: F401 - the report's, from here
+from parity.worker import Died, Worker, prestart, torch_device_type
+
+PHASES = ("train_s", "compare_s", "numerics_s")  # a step's time: training, bitwise comparisons, numerics
+COMPARED = ("candidate", "against")  # the runs whose GEMMs are compared bitwise
+
+# Time limits of a run's calls in its worker. Building a run imports torch's and torchao's modules the
+# fork server has not (tens of seconds on a loaded two-core machine), your code, draws the initial
+# weights and converts the model: BUILD_S (or --timeout, where larger). A micro-batch or an optimizer
+# step: CALL_FLOOR_S for first-call kernel setup (torchao's first conversion imports inductor's code
+# generators), plus the call's multiply-adds at a pessimistic rate (parity.worker.default_time_limit's:
+# float64 emulations on a 2-core CPU run about 1e9 a second, an H200 1e12, with its margin of 40x): per
+# parameter and token, 3 of training, 1 of a checkpoint recompute and 3 of the float64 shadow GEMMs at a
+# sampled step.
+BUILD_S = 300.0
+CALL_FLOOR_S = 120.0
+MULTIPLY_ADDS_PER_PARAMETER_AND_TOKEN = 7
 
 
-
-
-@dataclass
-class Run:
-    """One implementation's model in the lockstep."""
-
-    role: str
-    impl: Impl
-    seed: int
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    probes: dict[str, LayerProbe]  # empty for plain training (train_cost)
-    state: RunState
-    micro_losses: list[float] = field(default_factory=list)
-    loss: float = math.nan
-    grad_norm: float = math.nan
-
-
-@dataclass
-class Models:
-    """The models of a plan: its data shape, and the initial model of each seed (on the CPU, float32)."""
-
-    shape: GPTConfig | UserModelShape
-    initial: dict[int, nn.Module]
-
-    @classmethod
-    def build(cls, plan: TrainPlan) -> "Models":
-        seeds = (plan.seed, plan.seed + 1)
-        if plan.user_model:
-            models = {seed: build_user_model(plan.model, seed) for seed in seeds}
-            return cls(models[plan.seed][1], {seed: model for seed, (model, _) in models.items()})
-        config = plan.config
-        return cls(config, {seed: GPT(config).init_weights(seed) for seed in seeds})
-
-
-def _check_user_model_alignment(model: nn.Module, shape: UserModelShape, alignment: int, why: str) -> None:
-    """TrainError naming each linear layer (and the tokens of a micro-batch) not a multiple of `alignment`."""
-    bad = [f"{name}: in_features = {module.in_features}, out_features = {module.out_features}"
-           for name, module in model.named_modules()
-           if isinstance(module, nn.Linear) and (module.in_features % alignment or module.out_features % alignment)]
-    if shape.tokens_per_step % alignment:
-        bad.append(f"tokens per micro-batch (batch_size x seq_len) = {shape.tokens_per_step}")
-    if bad:
-        raise TrainError(f"--model {shape.name}: {'; '.join(bad)}: not a multiple of {alignment}, which every FP8 "
-                         f"GEMM dim needs ({why}): round them to multiples of {alignment}")
-
-
-def build_run(role: str, impl: Impl, models: Models, *, seed: int, plan: TrainPlan, instrument: bool = True) -> Run:
-    """A copy of the model of `seed`, its linears converted by `impl` (Impl.build), inside probes when
-    `instrument`, on the plan's device, with its optimizer."""
-    why = f"the {impl.recipe.name} recipe of {impl.name}"
-    if isinstance(models.shape, GPTConfig):
-        models.shape.check_alignment(impl.recipe.alignment, why=why)
-    else:
-        _check_user_model_alignment(models.initial[seed], models.shape, impl.recipe.alignment, why)
-    model = copy.deepcopy(models.initial[seed]).to(device=plan.device, dtype=impl.compute_dtype or torch.bfloat16)
-    if plan.checkpoint:
-        model.checkpoint_blocks = True
-    state = RunState()
-    probes = {}
-
-    def probe(name: str, layer: nn.Module, weight: nn.Parameter) -> LayerProbe:
-        probes[name] = LayerProbe(name, layer, weight, state)
-        return probes[name]
-
-    convert_linears(model, impl, wrap=probe if instrument else None)
-    # AdamW: nanochat trains its embeddings and head with it; deterministic, state per parameter
-    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.learning_rate, betas=(0.9, 0.95), weight_decay=0.0,
-                                  foreach=False)
-    return Run(role, impl, seed, model, optimizer, probes, state)
-
-
-def _fast_gemm(run: Run, device: str):
-    """cpu_gemm's fast _scaled_mm around an fp8 run on the CPU (torch's CPU kernel is slow); nothing
-    elsewhere. Scoped to the fp8 runs' forward and backward: a dispatch mode costs every op a Python
-    call, which the high-precision runs, the comparisons and the numerics need not pay."""
-    if device == "cpu" and cpu_gemm.enabled() and run.impl.recipe.is_fp8:
-        return cpu_gemm.kernel()
-    return contextlib.nullcontext()
-
-
-def _deterministic_attention(device: str):
-    """On CUDA, PyTorch's math attention kernel. Flash (and memory-efficient) attention accumulate dQ
-    in backward with atomic adds unless torch.use_deterministic_algorithms(True) is on (which also makes
-    other CUDA ops raise), so two runs whose GEMMs agree bitwise would still see other grad_outputs at
-    q, k and v, and the lockstep would report a difference no implementation made. The math kernel is
-    plain bmm and softmax: deterministic, and for the built-in models a few percent of a step. The CPU's
-    attention kernels are deterministic as they are."""
-    if torch.device(device).type == "cuda":
-        return sdpa_kernel(SDPBackend.MATH)
-    return contextlib.nullcontext()
-
-
-def forward_backward(run: Run, tokens: torch.Tensor, *, loss_scale: float = 1.0, device: str = "cpu") -> None:
-    """One micro-batch: forward, loss (kept in run.micro_losses), backward of loss x loss_scale (1/N
-    under gradient accumulation: the summed gradients are the mean's). Gradients add into .grad."""
-    run.state.order.clear()
-    for probe in run.probes.values():  # a layer this call does not run keeps no record of the last one
-        probe.call = None
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    with _fast_gemm(run, device), _deterministic_attention(device):
-        logits = run.model(inputs)
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != inputs.shape:
-            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise TrainError(f"the model's forward returned {got} for token ids of shape {tuple(inputs.shape)}: it "
-                             f"must return logits [B, T, vocab_size]")
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-        run.state.in_backward = True
-        try:
-            (loss if loss_scale == 1.0 else loss * loss_scale).backward()
-        finally:
-            run.state.in_backward = False
-    run.micro_losses.append(loss.item())
-
-
-def finish_step(run: Run) -> None:
-    """The step's loss (mean over its micro-batches) and gradient norm, then the optimizer step."""
-    run.loss = sum(run.micro_losses) / len(run.micro_losses)
-    grads = [p.grad.detach().float().pow(2).sum() for p in run.model.parameters() if p.grad is not None]
-    run.grad_norm = math.sqrt(float(torch.stack(grads).sum())) if grads else 0.0
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.micro_losses.clear()
-
+def default_time_limit(matmul_params: int, tokens_per_micro_batch: int, device_type: str) -> float:
+    """Seconds one run's micro-batch (or optimizer step) may take."""
+    rate = 1e12 if device_type == "cuda" else 1e9
+    return CALL_FLOOR_S + 40 * MULTIPLY_ADDS_PER_PARAMETER_AND_TOKEN * matmul_params * tokens_per_micro_batch / rate
 
 
 def execution_order(forward_order: list[str]) -> list[tuple[str, str]]:
@@ -243,20 +144,27 @@ def _clock(device: str) -> float:
     return time.perf_counter()
 
 
+def _usage_error(usage: dict) -> Exception:
+    """The usage error a worker found, raised again here (exit 2)."""
+    kind = {"impl": ImplError, "model": ModelError}.get(usage["kind"], TrainError)
+    return kind(usage["message"])
+
+
 # ---- the lockstep ---------------------------------------------------------------------------------
 
+@dataclass
+class _RemoteRun:
+    """One run of the lockstep, living in its worker: what this process knows of it."""
 
-
-def _load_impls(plan: TrainPlan) -> dict[str, Impl]:
-    """The implementation of each role: --impl, --against (default: its recipe's parity reference),
-    --baseline twice (the second run from another seed)."""
-    candidate = load_impl(plan.impl, form=plan.form, recipe=plan.recipe)
-    against = load_impl(plan.against) if plan.against else default_reference(candidate, torch.device(plan.device).type)
-    baseline = load_impl(plan.baseline)
-    return {"candidate": candidate, "against": against, "baseline": baseline, "baseline_seed": baseline}
-
-
-PHASES = ("train_s", "compare_s", "numerics_s")  # a step's time: training, bitwise comparisons, numerics
+    role: str
+    seed: int
+    worker: Worker
+    name: str = ""  # its implementation's name (the spec it was asked to load, until the worker answers)
+    impl: RunImpl | None = None
+    layers: list[str] = field(default_factory=list)
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    state_changed: bool = False  # its first change of torch's global state is a finding; later ones repeat it
 
 
 @dataclass
@@ -264,40 +172,130 @@ class _Lockstep:
     """The runs of a plan advancing together, and what their comparison found so far."""
 
     plan: TrainPlan
-    runs: list[Run]
+    runs: list[_RemoteRun]
     out_dir: str | Path | None
+    timeout: float | None = None  # --timeout: each call's limit
+    time_limit: float = BUILD_S  # the limit of a micro-batch or an optimizer step, set once the runs are built
+    harness_limit: float = BUILD_S  # the harness's own work on a micro-batch (fingerprints, numerics): the default
     rows: list[dict] = field(default_factory=list)
     timing: list[dict] = field(default_factory=list)
     divergence: Divergence | None = None
     loss_differs_at: int | None = None
     crash: str | None = None
     recompute_differs: tuple[int, int, str] | None = None
-    previous: dict | None = None  # the candidate's operands of the last call, for a divergence at the next
+    state_changes: list[str] = field(default_factory=list)
+    interrupted: str | None = None
+
+    def call(self, run: _RemoteRun, fn: Callable, *args, at: str, time_limit: float | None = None,
+             **kwargs) -> dict | None:
+        """fn(*args, **kwargs) in the run's worker: its reply, or None when the run raised, died or ran
+        past its time limit (self.crash says which, where). A usage error is raised again here."""
+        reply = run.worker.call(fn, *args, time_limit=time_limit or self.time_limit, **kwargs)
+        if isinstance(reply, Died):
+            printed = f" (its last output: {reply.output!r})" if reply.output else ""
+            self.crash = f"{run.name} ({run.role}) {reply.what} during {reply.phase or at}{printed}"
+            return None
+        changes = reply.get("state_changes")
+        if changes and not run.state_changed:
+            run.state_changed = True
+            self.state_changes.append(f"{run.name} ({run.role}) changed global state during {at}: "
+                                      f"{'; '.join(changes)} (restored)")
+        if "usage" in reply:
+            raise _usage_error(reply["usage"])
+        if "crash" in reply:
+            self.crash = f"{run.name} ({run.role}) raised at {at}: {reply['crash']}"
+            return None
+        return reply
+
+    # ---- building the runs
+
+    def start(self) -> GPTConfig | UserModelShape | None:
+        """Build every run in its worker (the candidate first: its recipe names the default --against);
+        the shape of the data, or None when a run crashed or died while being built."""
+        plan = self.plan
+        candidate, against, baseline, baseline_seed = self.runs
+        built = self._build(candidate, (plan.impl, plan.form, plan.recipe))
+        if built is None:
+            return None
+        against_name = plan.against or built["impl"]["default_against"]
+        replies = [built]
+        for run, spec in ((against, against_name), (baseline, plan.baseline), (baseline_seed, plan.baseline)):
+            replies.append(self._build(run, (spec, None, None)))
+            if replies[-1] is None:
+                return None
+        matmul_params = built["matmul_params"]
+        if built["shape"] is None:
+            shape = plan.config
+        else:
+            shape = UserModelShape(**built["shape"])
+            if len({reply["digest"] for reply in replies[:3]}) > 1:
+                raise ModelError(f"--model {plan.model!r}: the factory gave other initial weights in two calls under "
+                                 f"torch.manual_seed({plan.seed}): draw them from torch's global generator, so that "
+                                 f"every run starts from the same model")
+        default = default_time_limit(matmul_params, shape.batch_size * shape.seq_len, torch_device_type(plan.device))
+        self.time_limit = self.timeout or default
+        self.harness_limit = max(default, self.time_limit)
+        return shape
+
+    def _build(self, run: _RemoteRun, spec: tuple[str, str | None, str | None]) -> dict | None:
+        plan = self.plan
+        run.name = spec[0]
+        setup = dict(role=run.role, impl=spec, model=plan.model, seed=run.seed, device=plan.device,
+                     checkpoint=plan.checkpoint, learning_rate=plan.learning_rate)
+        reply = self.call(run, train_worker.start_run, setup, at="building the run",
+                          time_limit=max(BUILD_S, self.timeout or 0.0))
+        if reply is not None:
+            run.impl, run.layers = RunImpl.from_reply(reply["impl"]), reply["layers"]
+            run.name = run.impl.name
+        return reply
+
+    # ---- one step
+
+    def _keeps_previous(self, run: _RemoteRun) -> bool:
+        """Whether the run's worker keeps the operands of each call for the next one's case file."""
+        return run.role == "candidate" and self.divergence is None and self.out_dir is not None
 
     def step(self, step: int, micro_batches: list[torch.Tensor]) -> bool:
         """Train, compare and record one step (all its micro-batches), then each run's optimizer step;
-        False when an implementation raised (training stops there)."""
+        False when a run raised, died or ran out of time (training stops there)."""
         plan, sampled = self.plan, self.plan.sampled(step)
         phases = dict.fromkeys(PHASES, 0.0)
         step_rows: list[dict] = []
-        step_start = _clock(plan.device)
+        step_start = time.perf_counter()
         for micro, batch in enumerate(micro_batches):
-            begin = _clock(plan.device)
-            if not self._train(step, micro, batch.to(plan.device)):
-                return False
-            compared = _clock(plan.device)
+            at = f"step {step}" + (f", micro-batch {micro}" if plan.grad_accum > 1 else "")
+            begin = time.perf_counter()
+            replies = {}
+            for run in self.runs:
+                trained = self.call(run, train_worker.micro_batch, batch, at=at, where=at,
+                                    loss_scale=1.0 / plan.grad_accum, first_micro=micro == 0,
+                                    keep_previous=self._keeps_previous(run))
+                measured = trained and self.call(run, train_worker.measure, at=at, time_limit=self.harness_limit,
+                                                 where=at, results=run.role in COMPARED, recompute=plan.checkpoint,
+                                                 sampled=sampled)
+                if measured is None:
+                    return False
+                replies[run.role] = dict(trained, **measured)
+                phases["numerics_s"] += measured.get("numerics_s", 0.0)
+            compared = time.perf_counter()
             phases["train_s"] += compared - begin
-            bitwise, recomputed = self._compare(step, micro)
-            numerics_start = _clock(plan.device)
-            phases["compare_s"] += numerics_start - compared
-            step_rows += self._rows(step, micro, sampled, bitwise, recomputed)
-            phases["numerics_s"] += _clock(plan.device) - numerics_start
-        optimizer_start = _clock(plan.device)
+            bitwise = self._compare(step, micro, replies)
+            if bitwise is None:
+                return False
+            recomputed = self._recomputed(step, micro, replies)
+            phases["compare_s"] += time.perf_counter() - compared
+            step_rows += self._rows(step, micro, sampled, replies, bitwise, recomputed)
+        phases["train_s"] -= phases["numerics_s"]  # the workers computed them inside their micro-batch calls
+        optimizer_start = time.perf_counter()
         for run in self.runs:
-            finish_step(run)
+            reply = self.call(run, train_worker.finish, at=f"step {step}", where=f"step {step}",
+                              keep_previous=self._keeps_previous(run))
+            if reply is None:
+                return False
+            run.loss, run.grad_norm = reply["loss"], reply["grad_norm"]
         if self.divergence is None and self.loss_differs_at is None and self.runs[0].loss != self.runs[1].loss:
             self.loss_differs_at = step
-        step_end = _clock(plan.device)
+        step_end = time.perf_counter()
         phases["train_s"] += step_end - optimizer_start
         seconds = step_end - step_start
         by_role = {run.role: run for run in self.runs}
@@ -308,93 +306,133 @@ class _Lockstep:
         self.timing.append(dict(step=step, sampled=sampled, seconds=seconds, **phases))
         return True
 
-    def _train(self, step: int, micro: int, batch: torch.Tensor) -> bool:
-        """Forward and backward of every run on the micro-batch; False (and the crash) when one raised."""
-        run = self.runs[0]
-        try:  # os._exit raises too: a run cut short must never read as a pass
-            with sandbox.exits_raise():
-                for run in self.runs:
-                    forward_backward(run, batch, loss_scale=1.0 / self.plan.grad_accum, device=self.plan.device)
-        except TrainError:
-            raise  # the harness cannot run this model as asked: not a finding about the implementation
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - an implementation that raises is a finding
-            where = f" (micro-batch {micro})" if self.plan.grad_accum > 1 else ""
-            self.crash = f"{run.impl.name} ({run.role}) raised at step {step}{where}: {type(err).__name__}: {err}"
-            return False
-        return True
+    def _compare(self, step: int, micro: int, replies: dict[str, dict]) -> dict | None:
+        """The candidate's GEMMs against the against run's, by the fingerprints of their bits; the first
+        that differs, in execution order, confirmed on the tensors themselves, is the divergence (its
+        case file saved). None when a run died while sending its tensors."""
+        candidate, against = replies["candidate"]["results"], replies["against"]["results"]
+        bitwise = {(name, gemm): candidate[name][index] == against[name][index]
+                   for name in self.runs[0].layers for index, gemm in enumerate(GEMMS)}
+        if self.divergence is not None:
+            return bitwise
+        for name, gemm in execution_order(replies["candidate"]["order"]):
+            if bitwise[name, gemm]:
+                continue
+            tensors = {}
+            for run in self.runs[:2]:
+                tensors[run.role] = self.call(run, train_worker.call_tensors, name, at=f"step {step}: sending "
+                                              f"{name}'s tensors")
+                if tensors[run.role] is None:
+                    return None
+            ours, theirs = tensors["candidate"]["call"], tensors["against"]["call"]
+            if same(ours[gemm], theirs[gemm]):  # fingerprints that differ on equal bits: not one was seen
+                bitwise[name, gemm] = True
+                continue
+            self.divergence = Divergence(step, name, gemm, micro=micro, grad_accum=self.plan.grad_accum)
+            if self.out_dir is not None:
+                self.divergence.case_file = self._save_case_file(tensors["candidate"])
+            break
+        return bitwise
 
-    def _compare(self, step: int, micro: int) -> tuple[dict, dict]:
-        """The candidate's GEMMs against the against run's, bitwise, and each run's recompute against its
-        forward; the first divergence (its case file saved) and the first recompute that differs."""
-        cand, ref = self.runs[0], self.runs[1]
-        bitwise = {(name, gemm): same(cand.probes[name].results()[gemm], ref.probes[name].results()[gemm])
-                   for name in cand.probes for gemm in GEMMS}
-        if self.divergence is None:
-            first = next((key for key in execution_order(cand.state.order) if not bitwise[key]), None)
-            if first is not None:
-                self.divergence = Divergence(step, *first, micro=micro, grad_accum=self.plan.grad_accum)
-                if self.out_dir is not None:
-                    self.divergence.case_file = _save_divergence(self.divergence, cand, ref, self.previous, self.plan,
-                                                                 self.out_dir)
-        if self.divergence is None:  # the operands of this call, for a case file of a divergence at the next;
-            # the weight is copied at a step's last micro-batch only: before that, no optimizer step changes it
-            last_micro = micro == self.plan.grad_accum - 1
-            self.previous = {name: probe.operands(copy=last_micro) for name, probe in cand.probes.items()
-                             if probe.call is not None and probe.call.grad_output is not None}
-        recomputed = {run.role: {name: probe.recompute_bitwise() for name, probe in run.probes.items()}
-                      for run in self.runs}
+    def _recomputed(self, step: int, micro: int, replies: dict[str, dict]) -> dict[str, dict[str, bool | None]]:
+        """Per run and layer, whether the checkpoint recompute's output GEMM gave the forward's bits
+        (None: no recompute); the candidate's first that did not."""
+        recomputed = {role: {name: None if pair is None else pair[0] == pair[1]
+                             for name, pair in reply.get("recompute", {}).items()}
+                      for role, reply in replies.items()}
         if self.recompute_differs is None:
-            self.recompute_differs = next(((step, micro, name) for name in cand.state.order
-                                           if recomputed["candidate"][name] is False), None)
-        return bitwise, recomputed
+            self.recompute_differs = next(((step, micro, name) for name in replies["candidate"]["order"]
+                                           if recomputed["candidate"].get(name) is False), None)
+        return recomputed
 
-    def _rows(self, step: int, micro: int, sampled: bool, bitwise: dict, recomputed: dict) -> list[dict]:
+    def _save_case_file(self, tensors: dict) -> Path | None:
+        """The candidate's operands of the diverging layer at this call (the input its diverging GEMM
+        consumed: under checkpointing a backward GEMM's is the recompute's), and at the call before (a
+        cache that goes stale after an optimizer step needs a call before), as a case file."""
+        divergence, plan = self.divergence, self.plan
+        fields = {name: value for name, value in tensors["call"].items() if name != "weight"}
+        call = Call(**fields)
+        if call.grad_output is None:  # its output never reached the loss: no backward operands
+            return None
+        current = {"input": call.input_for(divergence.gemm), "weight": tensors["call"]["weight"],
+                   "grad_output": call.grad_output}
+        calls = ([tensors["previous"]] if tensors["previous"] is not None else []) + [current]
+        meta = dict(layer=divergence.layer, gemm=divergence.gemm, step=divergence.step, micro=divergence.micro,
+                    grad_accum=plan.grad_accum, checkpoint=plan.checkpoint,
+                    steps=list(range(divergence.step - len(calls) + 1, divergence.step + 1)),
+                    impl=self.runs[0].name, against=self.runs[1].name, recipe=self.runs[0].impl.recipe_name,
+                    model=plan.model)
+        micro = f"-micro{divergence.micro}" if plan.grad_accum > 1 else ""
+        file_name = f"divergence-step{divergence.step}{micro}-{divergence.layer}-{divergence.gemm}.pt"
+        return write_case_file(Path(self.out_dir) / file_name, calls, meta=meta)
+
+    def _rows(self, step: int, micro: int, sampled: bool, replies: dict[str, dict], bitwise: dict,
+              recomputed: dict) -> list[dict]:
         """One row per run, layer and GEMM of the micro-batch, with the numerics at a sampled step."""
         rows = []
         for run in self.runs:
-            numerics = {name: gemm_numerics(probe, run.impl.recipe) for name, probe in run.probes.items()} \
-                if sampled else {}
-            for name in run.probes:
+            numerics = replies[run.role].get("numerics", {})
+            for name in run.layers:
                 for gemm in GEMMS:
                     rows.append(dict(
-                        step=step, micro=micro, role=run.role, impl=run.impl.name, recipe=run.impl.recipe.name,
+                        step=step, micro=micro, role=run.role, impl=run.name, recipe=run.impl.recipe_name,
                         seed=run.seed, layer=name, gemm=gemm, sampled=sampled,
-                        bitwise=bitwise[name, gemm] if run is self.runs[0] else None,
-                        recompute_bitwise=recomputed[run.role][name] if gemm == "output" else None,
+                        bitwise=bitwise[name, gemm] if run.role == "candidate" else None,
+                        recompute_bitwise=recomputed[run.role].get(name) if gemm == "output" else None,
                         **numerics.get(name, {}).get(gemm, {})))
         return rows
 
+    # ---- the result
+
+    def result(self, source: MarkovSource | TokenFile | None, seconds: float) -> TrainResult:
+        plan = self.plan
+        frame = pd.DataFrame.from_records(self.rows)
+        timing = pd.DataFrame.from_records(self.timing, columns=["step", "sampled", "seconds", *PHASES])
+        frame.attrs["env"] = dict(
+            environment(plan.device), model=plan.model, steps=plan.steps, grad_accum=plan.grad_accum,
+            checkpoint=plan.checkpoint, data=plan.data, lr=plan.learning_rate, interrupted=self.interrupted,
+            entropy_rate=None if source is None or source.entropy_rate is None else round(source.entropy_rate, 6),
+            seconds=round(seconds, 1),
+            seconds_per_step=round(float(timing["seconds"].mean()), 4) if len(timing) else None)
+        candidate, against = self.runs[0].impl, self.runs[1].impl
+        bitwise_required = (candidate is not None and against is not None
+                            and default_policy(candidate, against) is Policy.BITWISE)
+        result = TrainResult(plan, frame, source, {run.role: run.name for run in self.runs}, bitwise_required,
+                             self.divergence, self.loss_differs_at, self.crash, seconds,
+                             layers=list(self.runs[0].layers), timing=timing, recompute_differs=self.recompute_differs,
+                             state_changes=list(self.state_changes), interrupted=self.interrupted)
+        result.verdict = train_verdict(result)
+        return result
+
 
 def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> TrainResult:
-    """Train every run of `plan` in lockstep; the rows, the first divergence (its case file written
-    into `out_dir`, when given), the timing and the verdict."""
+                 progress: Callable[[int, int], None] | None = None, timeout: float | None = None) -> TrainResult:
+    """Train every run of `plan` in lockstep, each in its own worker process; the rows, the first
+    divergence (its case file written into `out_dir`, when given), the timing and the verdict.
+    `timeout`: the time limit of each call of a run (a micro-batch, an optimizer step), past which the
+    run is stopped and is a finding (default: default_time_limit). Ctrl-C or SIGTERM stops training:
+    the result holds the steps that finished (result.interrupted names the signal)."""
     start = time.perf_counter()
-    impls = _load_impls(plan)
-    models = Models.build(plan)
-    runs = [build_run(role, impl, models, seed=plan.seed + (role == "baseline_seed"), plan=plan)
-            for role, impl in impls.items()]
-    source, micro_batches = _micro_batches(plan, models.shape)
-    bitwise_required = default_policy(impls["candidate"], impls["against"]) is Policy.BITWISE
-    lockstep = _Lockstep(plan, runs, out_dir)
-    for step in range(plan.steps):
-        if not lockstep.step(step, micro_batches[step]):
-            break
-        if progress is not None:
-            progress(step + 1, plan.steps)
-    frame = pd.DataFrame.from_records(lockstep.rows)
-    timing_frame = pd.DataFrame.from_records(lockstep.timing, columns=["step", "sampled", "seconds", *PHASES])
-    total = time.perf_counter() - start
-    frame.attrs["env"] = dict(
-        environment(plan.device), model=plan.model, steps=plan.steps, grad_accum=plan.grad_accum,
-        checkpoint=plan.checkpoint, data=plan.data, lr=plan.learning_rate,
-        entropy_rate=None if source.entropy_rate is None else round(source.entropy_rate, 6), seconds=round(total, 1),
-        seconds_per_step=round(float(timing_frame["seconds"].mean()), 4) if len(timing_frame) else None)
-    result = TrainResult(plan, frame, source, {run.role: run.impl.name for run in runs}, bitwise_required,
-                         lockstep.divergence, lockstep.loss_differs_at, lockstep.crash, total,
-                         layers=list(runs[0].probes), timing=timing_frame, recompute_differs=lockstep.recompute_differs)
-    result.verdict = train_verdict(result)
-    return result
+    device_type = torch_device_type(plan.device)
+    prestart(device_type, len(ROLES))  # CUDA workers spawn side by side (the CPU's fork at once)
+    runs = [_RemoteRun(role, plan.seed + (role == "baseline_seed"), Worker(device_type)) for role in ROLES]
+    lockstep = _Lockstep(plan, runs, out_dir, timeout=timeout)
+    source = None
+    try:
+        shape = lockstep.start()
+        if shape is not None:
+            source, micro_batches = _micro_batches(plan, shape)
+            for step in range(plan.steps):
+                if not lockstep.step(step, micro_batches[step]):
+                    break
+                if progress is not None:
+                    progress(step + 1, plan.steps)
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the worker in a call is killed already
+        lockstep.interrupted = interrupted_by(err).name
+    finally:
+        for run in runs:
+            run.worker.close()
+    return lockstep.result(source, time.perf_counter() - start)
 
 
 def _micro_batches(plan: TrainPlan, shape) -> tuple[MarkovSource | TokenFile, list[list[torch.Tensor]]]:
@@ -406,36 +444,24 @@ def _micro_batches(plan: TrainPlan, shape) -> tuple[MarkovSource | TokenFile, li
     return source, [tokens[step * plan.grad_accum:(step + 1) * plan.grad_accum] for step in range(plan.steps)]
 
 
-def _save_divergence(divergence: Divergence, cand: Run, ref: Run, previous: dict | None, plan: TrainPlan,
-                     out_dir: str | Path) -> Path | None:
-    """The candidate's operands of the diverging layer at this call (the input its diverging GEMM
-    consumed: under checkpointing a backward GEMM's is the recompute's), and at the call before (a
-    cache that goes stale after an optimizer step needs a call before), as a case file."""
-    name = divergence.layer
-    if cand.probes[name].call.grad_output is None:  # its output never reached the loss: no backward operands
-        return None
-    calls = ([previous[name]] if previous is not None and name in previous else []) \
-        + [cand.probes[name].operands(divergence.gemm)]
-    meta = dict(layer=name, gemm=divergence.gemm, step=divergence.step, micro=divergence.micro,
-                grad_accum=plan.grad_accum, checkpoint=plan.checkpoint,
-                steps=list(range(divergence.step - len(calls) + 1, divergence.step + 1)),
-                impl=cand.impl.name, against=ref.impl.name, recipe=cand.impl.recipe.name, model=plan.model)
-    micro = f"-micro{divergence.micro}" if plan.grad_accum > 1 else ""
-    file_name = f"divergence-step{divergence.step}{micro}-{name}-{divergence.gemm}.pt"
-    return write_case_file(Path(out_dir) / file_name, calls, meta=meta)
-
-
 # ---- plain training: what the statistics are measured against (evals/scoring/train_cost.py) ------
 
 def run_plain(plan: TrainPlan, roles: tuple[str, ...] = ROLES) -> dict:
-    """The plan's runs of `roles` trained in lockstep WITHOUT probes, comparisons or numerics: each
-    micro-batch's forward, backward and loss.item() (a training loop logs its loss), each step's
-    optimizer step. {"seconds", "seconds_per_step", "losses" (role -> last step's loss)}."""
-    impls = _load_impls(plan)
-    models = Models.build(plan)
-    runs = [build_run(role, impls[role], models, seed=plan.seed + (role == "baseline_seed"), plan=plan,
-                      instrument=False) for role in roles]
-    _, micro_batches = _micro_batches(plan, models.shape)
+    """The plan's runs of `roles` trained in lockstep in THIS process, WITHOUT workers, probes,
+    comparisons or numerics: each micro-batch's forward, backward and loss.item() (a training loop logs
+    its loss), each step's optimizer step. {"seconds", "seconds_per_step", "losses" (role -> last step's
+    loss)}. It imports the implementations here: for the harness's built-ins (train_cost's), not your code."""
+    candidate = load_impl(plan.impl, form=plan.form, recipe=plan.recipe)
+    against = load_impl(plan.against) if plan.against else default_reference(candidate, torch_device_type(plan.device))
+    impls = {"candidate": candidate, "against": against, "baseline": load_impl(plan.baseline)}
+    impls["baseline_seed"] = impls["baseline"]
+    runs, shape = [], None
+    for role in roles:
+        seed = plan.seed + (role == "baseline_seed")
+        model, shape = initial_model(plan.model, seed)
+        runs.append(build_run(role, impls[role], model, shape, seed=seed, device=plan.device,
+                              checkpoint=plan.checkpoint, learning_rate=plan.learning_rate, instrument=False))
+    _, micro_batches = _micro_batches(plan, shape)
     start = _clock(plan.device)
     for step in range(plan.steps):
         for batch in micro_batches[step]:
@@ -449,86 +475,3 @@ def run_plain(plan: TrainPlan, roles: tuple[str, ...] = ROLES) -> dict:
             run.optimizer.zero_grad(set_to_none=True)
     seconds = _clock(plan.device) - start
     return dict(seconds=seconds, seconds_per_step=seconds / plan.steps, losses={run.role: run.loss for run in runs})
-
-
-# ---- the verdict and the report ---------------------------------------------------------------------
-
-def losses_per_step(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (step, role) of the tidy table: the loss, seed and sampling of each run's step."""
-    return frame.drop_duplicates(["step", "role"])
-
-
-def loss_table(result: TrainResult) -> pd.DataFrame:
-    """Per run: mean loss over the last `window` steps, its relative gap to the baseline, its excess over
-    the source's entropy rate (the floor; none for --data)."""
-    frame, window = result.frame, result.plan.loss_window
-    steps = losses_per_step(frame)
-    last = steps[steps["step"] >= result.plan.steps - window]
-    mean = last.groupby("role", sort=False)["loss"].mean()
-    floor = math.nan if result.source.entropy_rate is None else result.source.entropy_rate
-    records = [dict(role=role, impl=result.runs[role], seed=int(steps[steps["role"] == role]["seed"].iloc[0]),
-                    **{f"mean loss, last {window} steps": mean[role],
-                       "gap to baseline %": 100 * (mean[role] - mean["baseline"]) / mean["baseline"],
-                       "excess over floor": mean[role] - floor})
-               for role in ROLES]
-    return pd.DataFrame.from_records(records)
-
-
-def train_verdict(result: TrainResult) -> Verdict:
-    plan, details = result.plan, []
-    if result.crash is not None or not len(result.frame):
-        done = int(result.frame["step"].max()) + 1 if len(result.frame) else 0
-        return Verdict(False, f"FAIL: {result.crash}", [f"training stopped there, after {done} complete steps"],
-                       None)
-    table = loss_table(result).set_index("role")
-    gap_column = "gap to baseline %"
-    gap = table.loc["candidate", gap_column] / 100
-    noise = abs(table.loc["baseline_seed", gap_column]) / 100
-    allowed = max(noise, DEEPSEEK_RELATIVE_LOSS_GAP)
-    loss_ok = gap <= allowed  # a candidate that trains better than the baseline is not a finding
-    details.append(f"loss over the last {plan.loss_window} steps: {result.runs['candidate']} is "
-                   f"{100 * gap:+.3f}% from {result.runs['baseline']}; seed-to-seed noise of the baseline "
-                   f"{100 * noise:.3f}%, DeepSeek-V3's line 0.25%: allowed {100 * allowed:.3f}%")
-    if result.source.entropy_rate is not None:
-        details.append(f"the loss floor (the source's entropy rate) is {result.source.entropy_rate:.4f} nats; the "
-                       f"candidate ends {table.loc['candidate', 'excess over floor']:.4f} above it")
-    else:
-        details.append(f"no loss floor: the data ({result.source.kind} from {result.source.path}) has no known "
-                       f"entropy rate")
-    if result.recompute_differs is not None:
-        step, micro, layer = result.recompute_differs
-        where = f"step {step}" + (f", micro-batch {micro}" if plan.grad_accum > 1 else "")
-        details.append(f"under --checkpoint the candidate's recompute of {layer}'s output GEMM gives other bits than "
-                       f"its forward first at {where}: its backward GEMMs consume tensors the forward never made "
-                       f"(state advanced between the two calls)")
-    parity_ok = True
-    pair = f"{result.runs['candidate']} and {result.runs['against']}"
-    if result.divergence is not None:
-        parity_ok = not result.bitwise_required
-        where = f" (case file: {result.divergence.case_file})" if result.divergence.case_file else ""
-        details.insert(0, f"{pair} first differ at {result.divergence}{where}"
-                       + ("" if result.bitwise_required else "; their recipes differ, so bitwise equality is not "
-                          "required"))
-    elif result.loss_differs_at is not None:
-        parity_ok = not result.bitwise_required
-        details.insert(0, f"every GEMM of {pair} agrees bitwise, but the loss differs from step "
-                       f"{result.loss_differs_at}: outside the converted layers")
-    else:
-        calls = f" and all {plan.grad_accum} micro-batches of each" if plan.grad_accum > 1 else ""
-        details.insert(0, f"{pair} are bitwise equal in every GEMM of every layer at all {plan.steps} steps{calls}")
-    if not parity_ok:
-        first = result.divergence or f"the loss at step {result.loss_differs_at}"
-        headline = f"FAIL: {pair} must be bitwise equal and diverge first at {first}"
-    elif not loss_ok:
-        headline = (f"FAIL: {result.runs['candidate']} trains {100 * gap:.3f}% worse than {result.runs['baseline']} "
-                    f"over the last {plan.loss_window} steps, beyond the allowed {100 * allowed:.3f}%")
-    else:
-        headline = (f"PASS: {result.runs['candidate']} trains {plan.steps} steps of the {plan.model} model "
-                    + ("in bitwise lockstep with " + result.runs["against"] if result.divergence is None else
-                       "(its recipe differs from " + result.runs["against"] + "'s)")
-                    + f", within {100 * allowed:.3f}% of {result.runs['baseline']}'s loss")
-    next_step = None
-    if result.divergence is not None and result.divergence.case_file is not None and not parity_ok:
-        next_step = (f"fp8-parity bisect --impl {result.runs['candidate']} --against {result.runs['against']} "
-                     f"--device {plan.device} --case-file {result.divergence.case_file}")
-    return Verdict(bool(parity_ok and loss_ok), headline, details, next_step)

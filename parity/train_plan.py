@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from parity.model import (GPTConfig, MarkovSource, ModelError, TokenFile, get_model_config, is_model_factory,
-                          load_model_factory)
-from parity.names import DEFAULT_BASELINE, LEARNING_RATE  # (there: the parser shows them without torch)
-from parity.report import Verdict
+from parity.model import GPTConfig, MarkovSource, ModelError, TokenFile, get_model_config, is_model_factory
+from parity.names import DEFAULT_BASELINE, FACTORY_PROTOCOL, LEARNING_RATE  # (the parser shows them without torch)
+from parity.recipes import Recipe, get_recipe
+
+if TYPE_CHECKING:  # the report's modules import matplotlib and hypothesis: seconds a run's worker need not pay
+    from parity.report_verdict import Verdict
 
 # DeepSeek-V3 (arXiv 2412.19437, section 3.3): FP8 training's relative loss error against BF16
 # "consistently remains below 0.25%". A reference line, drawn in the report and used as the floor
@@ -67,7 +70,7 @@ class TrainPlan:
                              f"a .pt or .npy file of token ids or a UTF-8 text file")
         try:
             if self.user_model:
-                load_model_factory(self.model)  # imports the file: a typo shows before anything trains
+                _check_factory_spec(self.model)  # its module is imported in the runs' workers, never here
             else:
                 get_model_config(self.model)
         except ModelError as err:
@@ -100,6 +103,49 @@ class TrainPlan:
         return step % self.sample_every == 0 or step == self.steps - 1
 
 
+def _check_factory_spec(spec: str) -> None:
+    """ModelError for a `--model path.py:factory` that cannot name a factory (no attribute, or a file that
+    does not exist), found without importing it: your code runs only in the runs' workers."""
+    module_spec, _, attr = spec.rpartition(":")
+    if not module_spec or not attr:
+        raise ModelError(f"--model {spec!r}: write your own model as path/to/file.py:factory (factory: "
+                         f"{FACTORY_PROTOCOL})")
+    is_path = module_spec.endswith(".py") or "/" in module_spec or "\\" in module_spec
+    if is_path and not Path(module_spec).expanduser().is_file():
+        raise ModelError(f"--model {spec!r}: model file {module_spec!r} does not exist (resolved to "
+                         f"{Path(module_spec).expanduser().resolve()})")
+
+
+@dataclass(frozen=True)
+class RunImpl:
+    """What the process that judges knows of a run's implementation: its description, sent by the
+    worker that loaded it (parity.train_worker), never the implementation itself."""
+
+    name: str
+    form: str
+    recipe_name: str
+    exact: bool = False
+    bit_model: bool = False
+
+    @classmethod
+    def from_reply(cls, reply: dict) -> "RunImpl":
+        return cls(reply["name"], reply["form"], reply["recipe"], bool(reply["exact"]), bool(reply["bit_model"]))
+
+    @property
+    def recipe(self) -> Recipe:
+        return get_recipe(self.recipe_name)
+
+    @property
+    def reload_args(self) -> tuple[str, str, str, bool]:
+        """What loads it again in another process: parity.impls.reload_impl(*reload_args) (a rank does)."""
+        return self.name, self.form, self.recipe_name, False
+
+    @property
+    def is_reference(self) -> bool:
+        """A high-precision nn.Linear (parity.policy.default_policy reads it, as of an Impl)."""
+        return not self.recipe.is_fp8
+
+
 @dataclass
 class Divergence:
     """The first (step, micro-batch, layer, GEMM) where the candidate differs from the against run."""
@@ -120,7 +166,7 @@ class Divergence:
 class TrainResult:
     plan: TrainPlan
     frame: pd.DataFrame  # tidy: one row per step x micro-batch x run x layer x GEMM
-    source: MarkovSource | TokenFile
+    source: MarkovSource | TokenFile | None  # None: training stopped before the data was drawn
     runs: dict[str, str]  # role -> implementation name
     bitwise_required: bool
     divergence: Divergence | None = None
@@ -131,3 +177,6 @@ class TrainResult:
     layers: list[str] = field(default_factory=list)  # the converted layers, in the model's order
     timing: pd.DataFrame | None = None  # one row per completed step: seconds, split by phase
     recompute_differs: tuple[int, int, str] | None = None  # (step, micro, layer): the candidate's recompute
+    # "R (role) changed global state during step S: forward/backward: what (restored)", the first of each run
+    state_changes: list[str] = field(default_factory=list)
+    interrupted: str | None = None  # "SIGINT" / "SIGTERM": the report holds the steps that finished

@@ -19,8 +19,8 @@ import pandas as pd
 
 from parity.recipes import GEMMS, get_recipe
 from parity.report import write_report
-from parity.train import loss_table, losses_per_step
 from parity.train_plan import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, TrainResult
+from parity.train_verdict import loss_table, loss_window, losses_per_step
 
 # Heatmaps write each cell's value into it while the grid is small enough to read them.
 ANNOTATE_MAX_LAYERS, ANNOTATE_MAX_STEPS = 16, 12
@@ -224,23 +224,28 @@ def plot_underflow_heatmap(fig, result: TrainResult) -> None:
 
 def write_train_report(result: TrainResult, out_dir: str | Path) -> list[Path]:
     """results.csv.gz, env.json, loss.png, sqnr_heatmap.png, underflow_heatmap.png, summary.md and
-    index.html, through parity.report's one writer. The first divergence is the first section."""
+    index.html, through parity.report's one writer. The first divergence is the first section. An
+    interrupted run's report has no plots (drawing them takes seconds, matplotlib's import included)."""
     plan = result.plan
     options = "".join([f", gradient accumulation {plan.grad_accum}" if plan.grad_accum > 1 else "",
                        ", activation checkpointing" if plan.checkpoint else "",
                        f", data {plan.data}" if plan.data else ""])
+    incomplete = f" (INCOMPLETE: interrupted by {result.interrupted})" if result.interrupted else ""
     title = (f"fp8-parity train: {result.runs['candidate']}, {plan.model} model, {plan.steps} steps on "
-             f"{plan.device}{options}")
+             f"{plan.device}{options}{incomplete}")
     if result.crash is not None or not len(result.frame):  # what ran before the crash, and the crash
-        crash = pd.DataFrame.from_records([dict(finding=result.crash)])
+        what = result.crash or f"interrupted by {result.interrupted} before the first step finished"
+        crash = pd.DataFrame.from_records([dict(finding=what)])
         frame = result.frame if len(result.frame) else crash
         return write_report(frame, out_dir, title=title, verdict=result.verdict, plots=False,
-                            tables=[("Crash", "the implementation raised; training stopped at that step", crash)])
+                            tables=[("Crash" if result.crash else "Interrupted",
+                                     "a run raised, died or ran out of time; training stopped at that step"
+                                     if result.crash else "nothing finished", crash)])
     tables = [
         (f"First divergence from {result.runs['against']}", "the first (step, layer, GEMM) in execution order where "
          "the candidate's GEMM result differs bitwise; its operands are the case file for check and bisect",
          divergence_table(result)),
-        ("Loss", f"mean over the last {plan.loss_window} steps; "
+        ("Loss", f"mean over the last {loss_window(result)} steps; "
                  + (f"the floor is the source's entropy rate {result.source.entropy_rate:.4f} nats"
                     if result.source.entropy_rate is not None else "no floor: the data's entropy rate is unknown"),
          loss_table(result)),
@@ -253,7 +258,9 @@ def write_train_report(result: TrainResult, out_dir: str | Path) -> list[Path]:
                  "optimizer of the four runs, with the probes), bitwise comparisons, numerics", timing_table(result)),
     ]
     plots = {"loss.png": partial(plot_loss, result=result)}
-    if result.frame["sampled"].any():
+    if result.interrupted is not None:  # a Ctrl-C wants its prompt back: the tables are written in a second
+        plots = {}
+    elif result.frame["sampled"].any():
         plots.update({"sqnr_heatmap.png": partial(plot_sqnr_heatmap, result=result),
                       "underflow_heatmap.png": partial(plot_underflow_heatmap, result=result)})
     return write_report(result.frame, out_dir, title=title, verdict=result.verdict, tables=tables, plots=False,

@@ -20,7 +20,11 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +250,67 @@ def test_check_distributed_bad_usage_is_one_line_and_exit_2(argv, message, capsy
 def test_check_distributed_without_a_gpu_per_rank_cannot_run(capsys):
     code = main(["check", "--impl", FP8_IMPL, "--distributed", "ddp", "--device", "cuda"])
     assert code == 125 and "cannot run here" in capsys.readouterr().err
+
+
+# ---- your code never runs in the process that judges; a rank that dies is a finding --------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTILE = REPO / "evals" / "hostile"
+
+EXITS_IN_A_RANK = '''
+import os
+import posix
+
+if "MASTER_PORT" in os.environ:  # set in each rank before it loads the implementation; not in the parent
+    posix._exit(0)
+
+from fp8_impl import float8_matmul
+
+
+def matmul(input_2d, weight):
+    return float8_matmul(input_2d, weight)
+'''
+
+
+def test_a_rank_that_exits_0_while_loading_your_code_is_an_error_of_that_run(tmp_path):
+    path = tmp_path / "exits_in_a_rank.py"
+    path.write_text(EXITS_IN_A_RANK)
+    start = time.monotonic()
+    results = run_distributed_parity([("ddp", f"{path}:matmul"), ("ddp", TORCHAO)], timeout_s=600)
+    # seen when the rank ends, not waited out (two ranks start in seconds; 101 s at a load of 15 on 2 cores)
+    assert time.monotonic() - start < 300
+    error = results["ddp", f"{path}:matmul"].error
+    assert error is not None and "exited the process with code 0 without reporting" in error, error
+    assert results["ddp", TORCHAO].error.startswith("no result: rank "), results
+
+
+def _check_in_a_process(argv: list[str]) -> tuple[int, str, int]:
+    """`fp8-parity check ARGV` as a process of its own (what these do would end pytest's with exit 0):
+    its exit code, output and process id."""
+    process = subprocess.Popen([sys.executable, "-m", "parity", "check", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=REPO)
+    out, err = process.communicate(timeout=600)
+    return process.returncode, out + err, process.pid
+
+
+def test_check_distributed_never_imports_your_code_where_it_judges(tmp_path):
+    """An implementation that registers posix._exit(0) as an exit hook and computes twice the output: the
+    ranks and the worker that reads its form import it, the process that judges never does, so FAIL exits 1.
+    One that ends the process at import ends its worker: a finding, exit 1."""
+    sys.path.insert(0, str(HOSTILE))
+    import hostile_import_marker as marker
+    since = marker.line_count()
+    code, text, pid = _check_in_a_process(["--impl", f"{HOSTILE}/exit0_at_exit.py:doubles_output", "--distributed",
+                                           "ddp", "--device", "cpu"])
+    assert code == 1 and re.search(r"^FAIL: .*doubles_output differs from torchao:tensorwise under ddp", text,
+                                   re.MULTILINE) and "Traceback" not in text, text
+    importers = marker.importers("exit0_at_exit.py", since)
+    assert len(importers) >= 3 and pid not in importers, importers  # the describing worker and both ranks
+
+    exits = tmp_path / "exits_at_import.py"
+    exits.write_text(
+        "import posix\nposix._exit(0)\n\n\ndef matmul(input_2d, weight):\n    return input_2d @ weight.t()\n")
+    code, text, _ = _check_in_a_process(["--impl", f"{exits}:matmul", "--distributed", "ddp", "--device", "cpu"])
+    assert code == 1 and "Traceback" not in text, text
+    assert re.search(r"^FAIL: .*exits_at_import.py:matmul failed under ddp on 2 gloo rank\(s\) \(cpu\): exited the "
+                     r"process with code 0 while importing the implementation$", text, re.MULTILINE), text

@@ -11,6 +11,11 @@ Every implementation of the corpus must fail. slow_3s is only slow: it fails her
 --timeout is 1 s, and passes with a longer one. fwd_stdout_spam and bwd_stderr_spam compute the
 right numbers but print megabytes: a finding (more than 64 KiB in one case floods a training
 log), and none of it reaches the user.
+
+The entries with "command": "train" run `fp8-parity train` on the tiny model: an implementation
+that ends the process with posix._exit(0) at its 40th call, one that registers posix._exit(0) as an
+exit hook, a --model factory that exits, a step that hangs, state changes. Each runs in the runs'
+workers: the process that judges never imports them (their modules note who imported them).
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +42,8 @@ from parity.runner import all_pairs, run_cases
 
 HOSTILE = Path(__file__).resolve().parents[1] / "evals" / "hostile"
 MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
+CHECKED = [entry for entry in MANIFEST if entry.get("command", "check") == "check"]
+TRAINED = [entry for entry in MANIFEST if entry.get("command") == "train"]
 CASE = "M16K32N16"  # one small case: the corpus is about what the code does, not about numerics
 MAX_OUTPUT = 20_000  # characters: more means the implementation's own printing reached the user
 
@@ -114,6 +124,9 @@ IMPLEMENTATIONS: dict[str, Expect] = {
 }
 
 
+sys.path.insert(0, str(HOSTILE))  # hostile_import_marker: where the hostile modules note who imported them
+
+
 def run_cli(argv: list[str]) -> tuple[int, str]:
     """fp8-parity ARGV in this process: (exit code, everything it printed)."""
     out, err = io.StringIO(), io.StringIO()
@@ -138,16 +151,77 @@ def assert_outcome(argv: list[str], expect: Expect) -> str:
 
 
 def test_every_manifest_entry_has_an_expectation():
-    assert sorted(entry["name"] for entry in MANIFEST) == sorted(IMPLEMENTATIONS)
+    assert sorted(entry["name"] for entry in CHECKED) == sorted(IMPLEMENTATIONS)
+    assert sorted(entry["name"] for entry in TRAINED) == sorted(TRAINING)
 
 
-@pytest.mark.parametrize("entry", MANIFEST, ids=[entry["name"] for entry in MANIFEST])
+@pytest.mark.parametrize("entry", CHECKED, ids=[entry["name"] for entry in CHECKED])
 def test_hostile_implementation(entry):
     """`check` of the implementation on one case of the bf16 recipe (its numbers are a plain bf16
     matmul: whatever fails, fails for what the code does)."""
     expect = IMPLEMENTATIONS[entry["name"]]
     assert_outcome(["check", "--impl", entry["impl"], "--form", entry["form"], "--recipe", "bf16", "--case", CASE,
                     "--timeout", f"{expect.timeout:g}", "--quiet"], expect)
+
+
+# ---- `train` ---------------------------------------------------------------------------------------------
+
+TRAIN_FAIL = r"^FAIL: evals/hostile/{} \(candidate\) "
+# The line that says what happened: for exit 1 the first line of the output (the headline), for exit 2 the error
+# line (after the command's first line on stderr, which says what it trains).
+TRAINING: dict[str, Expect] = {
+    "train_posix_exit0_at_call_40": Expect(1, TRAIN_FAIL.format("train.py:posix_exit0_at_call_40") +
+                                           r"exited the process with code 0 during step 3: forward$"),
+    "train_model_exits_while_building": Expect(2, r"^fp8-parity train: --model '.*model_exits_while_building': calling "
+                                                  r"the factory raised ProcessExit: os._exit\(0\) was called"),
+    "train_exit0_at_exit": Expect(1, r"^FAIL: evals/hostile/exit0_at_exit.py:doubles_output and torchao:tensorwise "
+                                     r"must be bitwise equal and diverge first at step 0, layer blocks.0.attn.c_q, "
+                                     r"GEMM output$"),
+    "train_sleeps_from_call_20": Expect(1, TRAIN_FAIL.format("train.py:sleeps_from_call_20") +
+                                        r"ran past its time limit of 30 s during step 1: forward$"),
+    "train_reseeds_every_call": Expect(1, TRAIN_FAIL.format("train.py:reseeds_every_call") +
+                                       r"changed global state during step 0: the global random generator reseeded "
+                                       r"\(seed \d+ -> 1234\) \(restored\)$"),
+    "train_default_dtype_at_call_40": Expect(1, TRAIN_FAIL.format("train.py:default_dtype_at_call_40") +
+                                             r"changed global state during step 3: default dtype torch.float32 -> "
+                                             r"torch.float64 \(restored\)$"),
+}
+# train_sleeps_from_call_20's --timeout is 30 s: each call of each run has that limit, and at a load of 14 on the
+# 2-core machine the first backward of a run took more than 10 s.
+# Run as a process of their own, as the user runs them: each ends the process it runs in with code 0 (at a call,
+# while building, at the interpreter's exit). In pytest's process that would end the session with exit 0, a pass.
+IN_A_SUBPROCESS = {"train_posix_exit0_at_call_40", "train_model_exits_while_building", "train_exit0_at_exit"}
+
+
+def _train_argv(entry: dict, out: Path) -> list[str]:
+    argv = ["train", "--impl", entry["impl"], "--device", "cpu", "--sample-every", "10", "--out", str(out), "--quiet",
+            *entry["args"]]
+    return argv + (["--model", entry["model"]] if "model" in entry else ["--form", entry["form"]])
+
+
+@pytest.mark.parametrize("entry", TRAINED, ids=[entry["name"] for entry in TRAINED])
+def test_hostile_training(entry, tmp_path):
+    """`train` of the tiny model with the entry's implementation or --model: its exit code, the line that says
+    what happened, no traceback, and the process that judged never imported the hostile module."""
+    import hostile_import_marker as marker  # evals/hostile/, on sys.path below
+    expect, argv = TRAINING[entry["name"]], _train_argv(entry, tmp_path / "report")
+    module = Path((entry.get("model") or entry["impl"]).split(":")[0]).name
+    since = marker.line_count()
+    if entry["name"] in IN_A_SUBPROCESS:
+        process = subprocess.Popen([sys.executable, "-m", "parity", *argv], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=HOSTILE.parents[1])
+        out, err = process.communicate(timeout=600)
+        code, text, judge = process.returncode, out + err, process.pid
+    else:
+        code, text = run_cli(argv)
+        judge = os.getpid()
+    rerun = "fp8-parity " + " ".join(argv)
+    assert "Traceback" not in text, f"a traceback reached the user: {rerun}\n{text[-3000:]}"
+    assert code == expect.code, f"exit {code}, expected {expect.code}: {rerun}\n{text[:3000]}"
+    assert re.search(expect.first, text, re.MULTILINE), f"no {expect.first!r} in the output of {rerun}:\n{text[:3000]}"
+    importers = marker.importers(module, since)
+    assert importers, f"no process imported {module}: {rerun}"  # the workers did
+    assert judge not in importers, f"the process that judged imported {module}: {rerun}"
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
@@ -287,7 +361,7 @@ def test_what_needs_a_gpu_says_it_cannot_run_here(name, inputs):
 
 
 def test_the_corpus_size_in_the_readme_is_the_count_of_the_corpus():
-    count = len(IMPLEMENTATIONS) + len(BAD_INPUTS) + len(CPU_ONLY) + len(FILES)
+    count = len(IMPLEMENTATIONS) + len(TRAINING) + len(BAD_INPUTS) + len(CPU_ONLY) + len(FILES)
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert f"{count} hostile inputs, {count} handled" in readme
 

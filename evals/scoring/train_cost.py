@@ -5,11 +5,13 @@
 The issue's number: the statistics cost at most 2x plain training when sampled every 10 steps.
 `train` trains four runs (candidate, against, baseline, baseline from another seed), so "plain
 training" here is the same four runs in the same lockstep, each step's forward, backward,
-loss.item() and optimizer step, WITHOUT the probes, the bitwise comparisons and the numerics
-(parity.train.run_plain), and the statistics are everything `train` adds to it
-(parity.train.run_training: probes around every converted layer, every GEMM of every call compared
-bitwise, the operands of a call kept for a case file, the numerics at the sampled steps, the tidy
-rows). The candidate trained alone is printed too: what one training run costs on this machine.
+loss.item() and optimizer step, in ONE process WITHOUT the probes, the bitwise comparisons and the
+numerics (parity.train.run_plain), and the statistics are everything `train` adds to it
+(parity.train.run_training: each run in its own worker process, answering every micro-batch and
+optimizer step over a pipe; probes around every converted layer, every GEMM of every call
+fingerprinted and compared bitwise, the operands of a call kept for a case file, the numerics at
+the sampled steps, the tidy rows). The candidate trained alone is printed too: what one training
+run costs on this machine.
 
 Each configuration is timed from its first step to its last (building the models, drawing the
 data and writing a report are outside: they do not grow with the steps), after a two-step warm-up
