@@ -21,8 +21,11 @@ from hypothesis import HealthCheck, Phase, find
 from hypothesis import settings as hypothesis_settings
 from hypothesis.errors import NoSuchExample
 
+from parity import cpu_gemm
 from parity.cases import Case, edge_cases, shrink
 from parity.env import environment
+from parity.findings import Headline
+from parity.headline import of_violations
 from parity.impls import Impl, ImplError, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
@@ -97,12 +100,19 @@ class CheckResult:
     skipped: dict = field(default_factory=dict)  # case id -> why an implementation could not take it
     note: str | None = None  # e.g. a failure that needs the cases before it (state kept across calls)
 
+    @property
+    def headline(self) -> Headline | None:
+        """The finding that names the failure, as every command heads it (parity.headline); None where
+        no recorded call was diagnosed."""
+        return of_violations(self.violations)
+
     def to_json(self) -> dict:
         return dict(
             verdict=self.verdict, impl=self.plan.candidate.name, reference=self.plan.reference.name,
             policy=self.plan.policy.value, device=self.device, cases_run=self.cases_run,
             seconds=round(self.seconds, 3),
             minimal_case=None if self.minimal_case is None else self.minimal_case.id,
+            finding=None if self.headline is None else str(self.headline),
             failures=[dict(case_id=v.case_id, tensor=v.tensor, step=v.step, metric=v.metric,
                            value=_jsonable(v.value), allowed=_jsonable(v.allowed), message=v.full_message)
                       for v in self.violations],
@@ -343,6 +353,8 @@ def render(result: CheckResult) -> str:
         lines += [f"error: {result.error}", ""]
     if result.violations:
         lines.append(f"Minimal failing case: {result.minimal_case.id}")
+        if result.headline is not None:
+            lines.append(f"Finding: {result.headline}")
         lines += violation_lines(result.violations[:12], result.rows, indent="  ")
         if len(result.violations) > 12:
             lines.append(f"  ... and {len(result.violations) - 12} more (see --json)")
@@ -396,11 +408,26 @@ def violation_lines(violations: Sequence[Violation], rows: Sequence[Row], *, ind
     return lines
 
 
+def check_command(impl: str, against: str, device: str, extra: Sequence[str] = ()) -> str:
+    """The `fp8-parity check` command line that judges `impl` against `against` on `device` (`extra`: its
+    other flags), shell-quoted."""
+    parts = ["fp8-parity", "check", "--impl", impl, "--against", against, "--device", device, *kernel_flags(device),
+             *extra]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def kernel_flags(device: str, flag: str = "--cpu-gemm") -> list[str]:
+    """`--cpu-gemm MODE` where this process computes CPU scaled GEMMs otherwise than by default (parity.cpu_gemm):
+    under --cpu-gemm hopper a fast-accumulation bug shows in the numbers, and a printed command must run
+    the kernel that found it."""
+    mode = cpu_gemm.mode()
+    return [flag, mode] if device == "cpu" and mode != cpu_gemm.MODES[0] else []
+
+
 def rerun_command(impl: str, against: str, device: str, extra: Sequence[str] = ()) -> Callable[[Case], str]:
+    """check_command for one case (--case): the command that reruns exactly it."""
     def command(case: Case) -> str:
-        parts = ["fp8-parity", "check", "--impl", impl, "--against", against, "--device", device, *extra,
-                 "--case", case.id]
-        return " ".join(shlex.quote(p) for p in parts)
+        return check_command(impl, against, device, [*extra, "--case", case.id])
     return command
 
 

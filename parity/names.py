@@ -60,6 +60,16 @@ FORMS = ("function", "module", "converter")
 
 POLICIES = ("bitwise", "accumulation", "sqnr", "paired", "exact", "none")
 
+# ---- search budgets (--max-examples) ----------------------------------------------------------------
+
+# generated cases `check` tries after its pinned edge cases
+CHECK_SEARCH = 100
+# generated cases `bisect` tries after the edge cases when no failing case is given: it localizes a
+# failure, and the edge cases show most bugs, so a correct layer's pass takes seconds, not a check's
+# search (fp8_impl on a CPU: 18 edge cases and 100 generated took 124 s of CPU time at a load of 12,
+# with 20 generated about a tenth of that). Its PASS prints check's command for the wider search.
+BISECT_SEARCH = 20
+
 # ---- how and where it runs -------------------------------------------------------------------------
 
 # how a CPU computes scaled GEMM calls (parity.cpu_gemm): the first is the default
