@@ -43,7 +43,7 @@ from parity.cases import Case, Dist, SavedCase
 from parity.check import CheckPlan, check_command, rerun_command, run_check
 from parity.classification import blame, classify
 from parity.evidence import add_evidence
-from parity.findings import Finding, Trigger, labels
+from parity.findings import Finding, Headline, Trigger, labels
 from parity.headline import flag_triggers
 from parity.impls import builtin_for_recipe, load_impl, recipe_flag, with_reciprocal_scales
 from parity.localization import CrashNote, Localization, Outcome, gemm_order, is_gpu_lint
@@ -165,7 +165,7 @@ def _localize(plan: CheckPlan, device: str, cases: list[Case] | None, max_exampl
     # the minimal case alone in a fresh worker is step 1's business (in the spare started beside the check):
     # the check's own rerun would wait for another fresh worker, 10-14 s on the H200
     found = run_check(plan, device=device, max_examples=max_examples, seed=seed, cases=cases, runner=runner,
-                      isolate=runner is not None, time_limit=time_limit, rerun_alone=False)
+                      isolate=runner is not None, time_limit=time_limit, rerun_alone=False, name_failure=False)
     result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error,
                           cases_run=found.cases_run, search_budget=max_examples if cases is None else None)
     clock.lap(result, "check")
@@ -297,14 +297,45 @@ def _host_threads(count: int):
         torch.set_num_threads(before)
 
 
-def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> None:
+def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str, *,
+              evidence: bool = True) -> None:
     with _host_threads(DIAGNOSIS_THREADS):
         diagnosis = run_again(plan, case, outcome, device)
         examine(result, diagnosis, device)
         blame(result, diagnosis)
         result.category, result.operand = classify(result, diagnosis)
         result.findings = [*diagnosis.findings, *diagnosis.matches]
-        add_evidence(result, diagnosis)
+        if evidence:
+            add_evidence(result, diagnosis)
+
+
+def _named(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> Localization:
+    """_diagnose without the evidence (the relations rerun the case many times), in a worker process."""
+    _diagnose(result, plan, case, outcome, device, evidence=False)
+    return result
+
+
+def name_failure(plan: CheckPlan, case: Case, violations: list, device: str, runner: Worker | None = None,
+                 time_limit: float | None = None) -> Headline | None:
+    """What bisect's diagnosis (steps 2 and 3, without the triggers' experiments) names on one failing case,
+    as its headline: check, the pytest plugin and train say it where the recorded calls' operands do not
+    name the failure (a result mishandled after its GEMM, a GEMM without a call), so that each tells the
+    finding bisect tells. None where the diagnosis names nothing or cannot finish (the violations then
+    speak for themselves). In `runner` when given (the code under test's worker), within four times a
+    case's time limit."""
+    result = Localization(Verdict.FAIL, plan, device, case, violations=list(violations))
+    outcome = Outcome(list(violations))
+    try:
+        if runner is None:
+            _named(result, plan, case, outcome, device)
+        else:
+            limit = 4 * (time_limit or default_time_limit(case.M, case.K, case.N, torch.device(device).type))
+            result = runner.call(_named, result, plan, case, outcome, device, time_limit=limit)
+            if isinstance(result, Died):
+                return None
+    except (Exception, WorkerError):  # noqa: BLE001 - the diagnosis of code under test may fail any way
+        return None
+    return result.headline
 
 
 def render(result: Localization) -> str:

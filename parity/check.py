@@ -99,12 +99,13 @@ class CheckResult:
     rerun: str | None = None
     skipped: dict = field(default_factory=dict)  # case id -> why an implementation could not take it
     note: str | None = None  # e.g. a failure that needs the cases before it (state kept across calls)
+    named: Headline | None = None  # what bisect's diagnosis names, where the calls' operands name nothing
 
     @property
     def headline(self) -> Headline | None:
-        """The finding that names the failure, as every command heads it (parity.headline); None where
-        no recorded call was diagnosed."""
-        return of_violations(self.violations)
+        """The finding that names the failure, as every command heads it (parity.headline): of the recorded
+        calls' operands, else bisect's diagnosis of the minimal case; None where neither names one."""
+        return of_violations(self.violations) or self.named
 
     def to_json(self) -> dict:
         return dict(
@@ -142,6 +143,7 @@ class CheckOptions:
     time_limit: float | None = None
     runner: Worker | None = None
     rerun_alone: bool = True
+    name_failure: bool = True  # where the calls' operands name no failure, bisect's diagnosis names it
 
 
 def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, cases: Sequence[Case] | None = None,
@@ -155,7 +157,10 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
     case runs in a worker process, within `time_limit` seconds (default: one that fits the case's
     size), in `runner` if given (kept open). A failure found after other cases ran in the worker is
     run again alone in a fresh one (`rerun_alone`), to say whether it needs what ran before.
-    `rerun_command(case)` gives the result's rerun line; `progress(done, planned)` follows each case."""
+    `rerun_command(case)` gives the result's rerun line; `progress(done, planned)` follows each case.
+    With `name_failure`, a failure whose recorded calls' operands name nothing is named by bisect's
+    diagnosis of the minimal case (parity.bisect.name_failure: once, at the end), so the headline is
+    bisect's."""
     settings = CheckOptions(**options)
     if settings.runner is not None:
         return _Check(plan, device, max_examples, settings, settings.runner).run(cases)
@@ -234,6 +239,10 @@ class _Check:
                         f"case alone and passes")
         result = self.finish(Verdict.FAIL, violations, case)
         result.note = note
+        if self.settings.name_failure and not self.hung(case) and result.headline is None:
+            from parity.bisect import name_failure  # noqa: PLC0415 - bisect is built on check
+            result.named = name_failure(self.plan, case, violations, self.device, self.runner,
+                                        self.settings.time_limit)
         return result
 
     def repeated(self) -> CheckResult:

@@ -168,9 +168,13 @@ class Suite:
         if violations:
             lines = violation_lines(violations, rows, full=True)
             headline = of_violations(violations)
-            if headline is None and diagnose:
-                diagnosed = run_case_isolated(case, self.plan.comparisons, device=self.device, runner=self.runner)
-                headline = of_violations(self.plan.judge(diagnosed))
+            if headline is None and diagnose:  # check's plan compares the calls with the recipe's oracle
+                diagnosed = self.plan.judge(run_case_isolated(case, self.plan.comparisons, device=self.device,
+                                                              runner=self.runner))
+                headline = of_violations(diagnosed)
+                if headline is None and diagnosed:  # what bisect's diagnosis names, as check does
+                    from parity.bisect import name_failure  # noqa: PLC0415 - bisect is built on the suite's check
+                    headline = name_failure(self.plan, case, diagnosed, self.device, self.runner)
             self.fail(title, case, lines, finding=lines[0] if headline is None else str(headline))
 
 

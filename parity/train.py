@@ -98,6 +98,7 @@ from parity.model import GPT, GPTConfig, MarkovSource, TokenFile, UserModelShape
 from parity.policy import Policy, default_policy
 from parity.recipes import GEMMS
 from parity.report import Verdict
+from parity.train_calls import bisect_command, judge_case_file, judge_first_call
 from parity.train_numerics import gemm_numerics
 from parity.train_plan import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, Divergence, TrainError, TrainPlan, TrainResult
 from parity.train_probes import LayerProbe, RunState, same
@@ -273,6 +274,7 @@ class _Lockstep:
     crash: str | None = None
     recompute_differs: tuple[int, int, str] | None = None
     previous: dict | None = None  # the candidate's operands of the last call, for a divergence at the next
+    first_call: tuple[str, dict] | None = None  # the first layer's operands at its first call (parity.train_calls)
 
     def step(self, step: int, micro_batches: list[torch.Tensor]) -> bool:
         """Train, compare and record one step (all its micro-batches), then each run's optimizer step;
@@ -336,6 +338,11 @@ class _Lockstep:
                 if self.out_dir is not None:
                     self.divergence.case_file = _save_divergence(self.divergence, cand, ref, self.previous, self.plan,
                                                                  self.out_dir)
+        if self.first_call is None:
+            ran = [name for name in cand.state.order if cand.probes[name].call.grad_output is not None]
+            if ran:
+                self.first_call = ran[0], {key: value.detach().clone()
+                                           for key, value in cand.probes[ran[0]].operands().items()}
         if self.divergence is None:  # the operands of this call, for a case file of a divergence at the next;
             # the weight is copied at a step's last micro-batch only: before that, no optimizer step changes it
             last_micro = micro == self.plan.grad_accum - 1
@@ -393,8 +400,27 @@ def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
     result = TrainResult(plan, frame, source, {run.role: run.impl.name for run in runs}, bitwise_required,
                          lockstep.divergence, lockstep.loss_differs_at, lockstep.crash, total,
                          layers=list(runs[0].probes), timing=timing_frame, recompute_differs=lockstep.recompute_differs)
+    result.finding, result.calls_case_file = _finding(plan, impls, lockstep, out_dir)
     result.verdict = train_verdict(result)
     return result
+
+
+def _finding(plan: TrainPlan, impls: dict[str, Impl], lockstep: _Lockstep,
+             out_dir: str | Path | None) -> tuple[str | None, Path | None]:
+    """check's finding on the first divergence's case file, or, where the runs never parted, on the first
+    layer's first call (with its case file, kept where check found something): parity.train_calls."""
+    candidate, against = impls["candidate"], impls["against"]
+    if lockstep.crash is not None or not candidate.recipe.is_fp8:
+        return None, None
+    if lockstep.divergence is not None:
+        if lockstep.divergence.case_file is None:
+            return None, None
+        return judge_case_file(candidate, against, lockstep.divergence.case_file, plan.device), None
+    if lockstep.loss_differs_at is not None or lockstep.first_call is None:
+        return None, None
+    layer, operands = lockstep.first_call
+    meta = dict(impl=candidate.name, against=against.name, recipe=candidate.recipe.name, model=plan.model)
+    return judge_first_call(candidate, against, layer, operands, plan.device, out_dir, meta)
 
 
 def _micro_batches(plan: TrainPlan, shape) -> tuple[MarkovSource | TokenFile, list[list[torch.Tensor]]]:
@@ -503,6 +529,8 @@ def train_verdict(result: TrainResult) -> Verdict:
                        f"(state advanced between the two calls)")
     parity_ok = True
     pair = f"{result.runs['candidate']} and {result.runs['against']}"
+    if result.finding is not None:  # check's words for what the diverging (or first) GEMM was handed
+        details.insert(0, f"finding: {result.finding}")
     if result.divergence is not None:
         parity_ok = not result.bitwise_required
         where = f" (case file: {result.divergence.case_file})" if result.divergence.case_file else ""
@@ -516,7 +544,15 @@ def train_verdict(result: TrainResult) -> Verdict:
     else:
         calls = f" and all {plan.grad_accum} micro-batches of each" if plan.grad_accum > 1 else ""
         details.insert(0, f"{pair} are bitwise equal in every GEMM of every layer at all {plan.steps} steps{calls}")
-    if not parity_ok:
+    calls_differ = result.divergence is None and result.finding is not None  # parity.train_calls
+    if calls_differ:
+        parity_ok = False
+        where = f" (case file: {result.calls_case_file})" if result.calls_case_file else ""
+        details.insert(1, f"check's comparisons of the first layer's first call{where} find what the numbers here "
+                          f"do not show")
+        headline = (f"FAIL: {result.runs['candidate']}'s _scaled_mm calls are not the {_candidate_recipe(result)} "
+                    f"recipe's, though it trains in bitwise lockstep with {result.runs['against']} on {plan.device}")
+    elif not parity_ok:
         first = result.divergence or f"the loss at step {result.loss_differs_at}"
         headline = f"FAIL: {pair} must be bitwise equal and diverge first at {first}"
     elif not loss_ok:
@@ -527,8 +563,15 @@ def train_verdict(result: TrainResult) -> Verdict:
                     + ("in bitwise lockstep with " + result.runs["against"] if result.divergence is None else
                        "(its recipe differs from " + result.runs["against"] + "'s)")
                     + f", within {100 * allowed:.3f}% of {result.runs['baseline']}'s loss")
+    case_file = result.calls_case_file if calls_differ else result.divergence and result.divergence.case_file
     next_step = None
-    if result.divergence is not None and result.divergence.case_file is not None and not parity_ok:
-        next_step = (f"fp8-parity bisect --impl {result.runs['candidate']} --against {result.runs['against']} "
-                     f"--device {plan.device} --case-file {result.divergence.case_file}")
+    if case_file is not None and not parity_ok:
+        next_step = bisect_command(result.runs["candidate"], result.runs["against"], plan.device, case_file,
+                                   recipe=plan.recipe, form=plan.form)
     return Verdict(bool(parity_ok and loss_ok), headline, details, next_step)
+
+
+def _candidate_recipe(result: TrainResult) -> str:
+    """The candidate's recipe, as its rows name it."""
+    rows = result.frame[result.frame["role"] == "candidate"]
+    return str(rows["recipe"].iloc[0]) if len(rows) else "its"

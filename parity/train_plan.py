@@ -131,3 +131,7 @@ class TrainResult:
     layers: list[str] = field(default_factory=list)  # the converted layers, in the model's order
     timing: pd.DataFrame | None = None  # one row per completed step: seconds, split by phase
     recompute_differs: tuple[int, int, str] | None = None  # (step, micro, layer): the candidate's recompute
+    # the headline of check's comparisons of a case file (parity.train_calls): the first divergence's, or,
+    # where the runs never part, the first layer's first call's where check finds something there
+    finding: str | None = None
+    calls_case_file: Path | None = None  # that first call's case file, kept where check found something
