@@ -8,7 +8,9 @@ grad_weight GEMM asked for fast accumulation, and the forward handed the scale w
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from parity import hopper
 from parity.bisect import localize, render as render_localized
 from parity.cases import parse_case_id
 from parity.check import CheckPlan, render, run_check
+from parity.cli import main
 from parity.findings import Trigger
 from parity.impls import load_impl
 from parity.suite import PropertyFailure, Suite
@@ -110,8 +113,11 @@ def test_a_fast_accumulation_flag_tells_one_story_in_check_bisect_the_plugin_and
     # train stays in bitwise lockstep on a CPU, and says what check says of its first layer's first call
     trained = train_finding(tmp_path, fast_accum_layer)
     assert trained.divergence is None and trained.finding == FAST_ACCUM and not trained.verdict.ok
-    assert f"finding: {FAST_ACCUM}" in trained.verdict.details
-    assert "--case-file" in trained.verdict.next_step and trained.calls_case_file.is_file()
+    assert f"finding: {FAST_ACCUM}" in trained.verdict.details and trained.calls_case_file.is_file()
+    # its next command, run as printed, localizes that finding on that file
+    report = tmp_path / "bisect.json"
+    assert main([*shlex.split(trained.verdict.next_step)[1:], "--json", str(report)]) == 1
+    assert json.loads(report.read_text())["finding"] == FAST_ACCUM
 
 
 def test_a_scale_handed_for_its_inverse_tells_one_story(scale_for_inverse_layer, tmp_path):
@@ -124,6 +130,9 @@ def test_a_scale_handed_for_its_inverse_tells_one_story(scale_for_inverse_layer,
 
     trained = train_finding(tmp_path, scale_for_inverse_layer)
     assert trained.divergence.gemm == "output" and trained.finding == SCALE_FOR_INVERSE
+    report = tmp_path / "bisect.json"
+    assert main([*shlex.split(trained.verdict.next_step)[1:], "--json", str(report)]) == 1
+    assert json.loads(report.read_text())["finding"] == SCALE_FOR_INVERSE
 
 
 def test_a_correct_layer_trains_without_a_finding(tmp_path):
