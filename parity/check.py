@@ -239,7 +239,7 @@ class _Check:
                         f"case alone and passes")
         result = self.finish(Verdict.FAIL, violations, case)
         result.note = note
-        if self.settings.name_failure and not self.hung(case) and result.headline is None:
+        if self.settings.name_failure and result.headline is None and wrong_numbers(violations):
             from parity.bisect import name_failure  # noqa: PLC0415 - bisect is built on check
             result.named = name_failure(self.plan, case, violations, self.device, self.runner,
                                         self.settings.time_limit)
@@ -289,6 +289,17 @@ class _Check:
         if self.hung_on is not None:
             return self.conclude(self.hung_on)
         return self.conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps
+
+
+# the kinds of violation that say a number is wrong (a crash, a death, a contract say what they are themselves)
+NUMBER_KINDS = (Kind.BITWISE, Kind.EXACT, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB, Kind.PAIRED_SQNR_DB, Kind.NONFINITE,
+                Kind.OPERAND)
+
+
+def wrong_numbers(violations: Sequence[Violation]) -> bool:
+    """Wrong numbers and no crash: what bisect's diagnosis can name (parity.bisect.name_failure), where a
+    crash, a hang or a worker's death would only happen again."""
+    return any(v.kind in NUMBER_KINDS for v in violations) and not any(v.kind is Kind.CRASH for v in violations)
 
 
 @dataclass(frozen=True)

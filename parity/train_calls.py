@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from parity.check import CheckPlan, kernel_flags
+from parity.check import CheckPlan, kernel_flags, wrong_numbers
 from parity.data import saved_case, write_case_file
 from parity.headline import of_violations
 from parity.impls import Impl
@@ -42,7 +42,8 @@ def judge_case_file(candidate: Impl, against: Impl, path: str | Path, device: st
     if not violations:
         return None
     from parity.bisect import name_failure  # noqa: PLC0415 - bisect is built on check, which train uses
-    headline = of_violations(violations) or name_failure(plan, case, violations, device)
+    headline = of_violations(violations) or (name_failure(plan, case, violations, device)
+                                             if wrong_numbers(violations) else None)
     return str(headline) if headline is not None else violations[0].message
 
 
