@@ -34,18 +34,21 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from parity.case_findings import examine, run_again
-from parity.cases import Case, Dist
-from parity.check import CheckPlan, rerun_command, run_check
+from parity.cases import Case, Dist, SavedCase
+from parity.check import CheckPlan, check_command, rerun_command, run_check
 from parity.classification import blame, classify
 from parity.evidence import add_evidence
-from parity.findings import Finding, Trigger, labels
+from parity.findings import Finding, Headline, Trigger, labels
+from parity.headline import flag_triggers
 from parity.impls import builtin_for_recipe, load_impl, recipe_flag, with_reciprocal_scales
 from parity.localization import CrashNote, Localization, Outcome, gemm_order, is_gpu_lint
 from parity.mistakes import RECIPROCAL_SCALES_HYPOTHESIS
+from parity.names import CHECK_SEARCH
 from parity.recipes import GEMMS
 from parity.runner import executing_in, isolation, run_case_isolated
 from parity.triggers import flip_conditions, more_distributions, more_dtypes, one_condition_more
@@ -162,8 +165,9 @@ def _localize(plan: CheckPlan, device: str, cases: list[Case] | None, max_exampl
     # the minimal case alone in a fresh worker is step 1's business (in the spare started beside the check):
     # the check's own rerun would wait for another fresh worker, 10-14 s on the H200
     found = run_check(plan, device=device, max_examples=max_examples, seed=seed, cases=cases, runner=runner,
-                      isolate=runner is not None, time_limit=time_limit, rerun_alone=False)
-    result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error)
+                      isolate=runner is not None, time_limit=time_limit, rerun_alone=False, name_failure=False)
+    result = Localization(found.verdict, plan, device, found.minimal_case, error=found.error,
+                          cases_run=found.cases_run, search_budget=max_examples if cases is None else None)
     clock.lap(result, "check")
     if found.verdict is not Verdict.FAIL:
         return result
@@ -186,6 +190,8 @@ def _localize(plan: CheckPlan, device: str, cases: list[Case] | None, max_exampl
     clock.lap(result, "diagnosis")
     if device == "cuda":
         _gpu_triggers(result, search, case, base)
+    else:  # the CPU's numbers are right and only the recorded calls show the bug: it shows only on the GPU
+        result.triggers += [t for t in flag_triggers(base.violations) if t not in result.triggers]
     clock.lap(result, "on the CPU")
     return result
 
@@ -215,8 +221,10 @@ def _case_to_diagnose(result: Localization, search: _Search, case: Case, base: O
             result.crash = CrashNote(base.crashes[0].message, tuple(crash_triggers))
             result.triggers = [t for t in result.triggers if t not in crash_triggers]
     # With M, K, N not all distinct the shapes of a _scaled_mm call cannot say which backward GEMM
-    # it is: diagnose a distinct-dims twin of the case when it fails the same way.
-    if len({numeric_case.M, numeric_case.K, numeric_case.N}) < 3 and \
+    # it is: diagnose a distinct-dims twin of the case when it fails the same way. Not a case file's:
+    # its tensors are what training diverged on (a twin would crop them), and the oracle each call
+    # matches tells its GEMM (parity.call_diagnosis.assign_calls)
+    if not isinstance(numeric_case, SavedCase) and len({numeric_case.M, numeric_case.K, numeric_case.N}) < 3 and \
             not any(t.condition is Condition.K_EQUALS_N for t in result.triggers):
         unit = search.plan.alignment  # M spans two blocks, so a bug along M shows on the twin too
         twin = numeric_case.replace(lead=(2 * unit,), K=3 * unit, N=unit)
@@ -281,27 +289,57 @@ def _host_threads(count: int):
         torch.set_num_threads(before)
 
 
-def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> None:
+def _diagnose(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str, *,
+              evidence: bool = True) -> None:
     with _host_threads(DIAGNOSIS_THREADS):
         diagnosis = run_again(plan, case, outcome, device)
         examine(result, diagnosis, device)
         blame(result, diagnosis)
         result.category, result.operand = classify(result, diagnosis)
         result.findings = [*diagnosis.findings, *diagnosis.matches]
-        add_evidence(result, diagnosis)
+        if evidence:
+            add_evidence(result, diagnosis)
+
+
+def _named(result: Localization, plan: CheckPlan, case: Case, outcome: Outcome, device: str) -> Localization:
+    """_diagnose without the evidence (the relations rerun the case many times)."""
+    _diagnose(result, plan, case, outcome, device, evidence=False)
+    return result
+
+
+def name_failure(plan: CheckPlan, case: Case, violations: list, device: str, runner: Worker | None = None,
+                 time_limit: float | None = None) -> Headline | None:
+    """What bisect's diagnosis (steps 2 and 3, without the triggers' experiments) names on one failing case,
+    as its headline: check, the pytest plugin and train say it where the recorded calls' operands do not
+    name the failure (a result mishandled after its GEMM, a GEMM without a call), so that each tells the
+    finding bisect tells. None where the diagnosis names nothing or cannot finish (the violations then
+    speak for themselves). The diagnosis runs here; each rerun of code under test in `runner` when given (the
+    code under test's worker), within four times a case's time limit."""
+    result = Localization(Verdict.FAIL, plan, device, case, violations=list(violations))
+    outcome = Outcome(list(violations))
+    try:
+        if runner is None:  # (the caller's executing_in routes any code under test)
+            _named(result, plan, case, outcome, device)
+        else:
+            limit = 4 * (time_limit or default_time_limit(case.M, case.K, case.N, torch.device(device).type))
+            with executing_in(runner, limit):
+                _named(result, plan, case, outcome, device)
+    except (Exception, WorkerError):  # noqa: BLE001 - the diagnosis of code under test may fail any way
+        return None
+    return result.headline
 
 
 def render(result: Localization) -> str:
     plan = result.plan
     if result.verdict is Verdict.PASS:
-        return (f"PASS: {plan.candidate.name} shows no violation against {plan.reference.name} on {result.device}: "
-                f"nothing to localize.\n")
+        return _render_pass(result)
     if result.verdict is Verdict.ERROR:
         return f"ERROR: {result.error}\n"
     crash = result.crash
     lines = [
         f"FAIL: {plan.candidate.name} ({plan.candidate.recipe.name} recipe) against {plan.reference.name} on "
         f"{result.device}",
+        *([f"  finding      : {result.headline}"] if result.headline is not None else []),
         f"  minimal case : {result.minimal_case.id}",
         f"  GEMM         : {', '.join(result.gemm)} (first: {result.first})",
         f"  operand      : {result.operand}",
@@ -313,7 +351,28 @@ def render(result: Localization) -> str:
         "  evidence:",
         *[f"    - {line}" for line in result.evidence],
         "",
-        "Rerun: " + rerun_command(plan.candidate.name, plan.reference.name, result.device,
-                                  recipe_flag(plan.candidate.name, plan.candidate.recipe.name))(result.minimal_case),
+        "Rerun: " + _check_command(result)(result.minimal_case),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _check_command(result: Localization) -> Callable[[Case], str]:
+    """check's command line for a case of this localization (its Rerun line): the layer judged as bisect judged it."""
+    plan = result.plan
+    return rerun_command(plan.candidate.name, plan.reference.name, result.device,
+                         recipe_flag(plan.candidate.name, plan.candidate.recipe.name))
+
+
+def _render_pass(result: Localization) -> str:
+    """No failure to localize: on the cases given, or among the cases the search ran, with check's command
+    for a wider search."""
+    plan = result.plan
+    head = f"PASS: {plan.candidate.name} shows no violation against {plan.reference.name} on {result.device}"
+    if result.search_budget is None:
+        return f"{head} on the case given: nothing to localize.\n"
+    wider = check_command(plan.candidate.name, plan.reference.name, result.device,
+                          [*recipe_flag(plan.candidate.name, plan.candidate.recipe.name), "--max-examples",
+                           str(CHECK_SEARCH)])
+    return (f"{head} in {result.cases_run} cases (the edge cases, and a search of up to {result.search_budget} "
+            f"generated ones): nothing to localize.\nA wider search: {wider}\n(a failing case it finds can be "
+            f"localized with bisect --case)\n")

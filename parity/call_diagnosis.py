@@ -45,6 +45,10 @@ class StageFinding(Finding):
     def __str__(self) -> str:
         return f"{self.gemm} GEMM (step {self.step}): {self.message}"
 
+    @property
+    def sentence(self) -> str:
+        return self.message
+
 
 def stage_finding(step: int, gemm: str, operand: str, stage: str, message: str, category: str | None = None,
                   **more) -> StageFinding:
@@ -127,6 +131,21 @@ def decoded_operand(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(torch.float64).cpu()
 
 
+# Scales that agree to this relative difference are the same scales computed in another order: a scale
+# handed as 1 / (its inverse) instead of itself, say, is two float32 roundings (each at most 2^-24 relative)
+# from the scale a mistake's emulation computes, and is that mistake. Two float32 ulps (2^-22).
+SCALE_ROUNDING = 2.0 ** -22
+
+
+def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Scales equal up to SCALE_ROUNDING (the same NaN and infinities)."""
+    if a.shape != b.shape or not torch.equal(a.isfinite(), b.isfinite()):
+        return False
+    finite = a.isfinite()
+    return _same(a[~finite], b[~finite]) and bool(((a[finite] - b[finite]).abs() <= SCALE_ROUNDING *
+                                                    b[finite].abs()).all())
+
+
 def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple, float, float]:
     differ = ~((got == want) | (got.isnan() & want.isnan()))
     count = int(differ.sum())
@@ -148,6 +167,10 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     if values_ok and (scales_ok or scales is None):  # no scales to compare: the values decide
         return None
     values_only = None  # the first mistake whose fp8 values these are, with the recipe's scales handed over
+    # the first whose values these are and whose scales these are up to their rounding (SCALE_ROUNDING), where
+    # the recipe's scales are not
+    rounded_alike = None
+    scales_far = scales is not None and not _near(scales, want_scales)
     for hypothesis in operand_hypotheses(cast, recipe, rows, inner):
         if hypothesis.keeps_high_precision:  # these values are fp8
             continue
@@ -156,13 +179,16 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
         # another format is not theirs, even where its values coincide with theirs
         if q is None or q.fp8_dtype != cast.dtype:
             continue
-        q_scales = _expanded(q.inv_scale.cpu(), rows, inner)
-        if not _same_values(values, q.values.cpu(), q_scales):
+        its_scales = _expanded(q.inv_scale.cpu(), rows, inner)
+        if not _same_values(values, q.values.cpu(), its_scales):
             continue
-        if scales is None or _same(scales, q_scales):
-            stage = "scale" if hypothesis.category == "scale" or hypothesis.amax_source != "same" else "bytes"
-            return OperandExplanation(stage, hypothesis.category, hypothesis.description, hypothesis)
+        if scales is None or _same(scales, its_scales):
+            return _explained_by(hypothesis)
         values_only = values_only or hypothesis
+        if rounded_alike is None and scales_far and _near(scales, its_scales):
+            rounded_alike = hypothesis
+    if rounded_alike is not None:
+        return _explained_by(rounded_alike)
     if scales is None:
         return OperandExplanation("scale", "scale", "its scale tensor cannot be read as the recipe's scales (see the "
                                            "contract rules)")
@@ -180,6 +206,11 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     return OperandExplanation("bytes", "", f"its scales are the recipe's but its fp8 values differ in {count} of "
                               f"{values.numel()} elements (first at {list(index)}: {got:g}, oracle {want:g}); no "
                               f"single mistake reproduces them")
+
+
+def _explained_by(hypothesis: Hypothesis) -> OperandExplanation:
+    stage = "scale" if hypothesis.category == "scale" or hypothesis.amax_source != "same" else "bytes"
+    return OperandExplanation(stage, hypothesis.category, hypothesis.description, hypothesis)
 
 
 def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: OperandSources) -> list[StageFinding]:
@@ -306,8 +337,51 @@ def resolve_calls(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], reci
 
 def call_findings(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], recipe: Recipe,
                   case: Case) -> list[StageFinding]:
-    """Every difference between the recorded calls and the recipe's, for every step of the case.
-    GEMMs without a recorded call are not compared here (see diagnose_behaviour)."""
+    """Every difference between the recorded calls and the recipe's, for every step of the case; first,
+    where the calls are exactly another recipe's (recipe_finding). GEMMs without a recorded call are not
+    compared here (see diagnose_behaviour)."""
+    findings = _findings_of(calls, steps, recipe, case)
+    implemented = recipe_finding(findings, calls, steps, recipe, case)
+    return findings if implemented is None else [implemented, *findings]
+
+
+# What a recipe's GEMM differs in from another's, in the order a reader looks: the class it names
+_SPEC_DIFFERENCES = ((lambda g: g.high_precision, BugClass.PRECISION), (lambda g: g.kind, BugClass.SCALE),
+                     (lambda g: (g.a.fp8, g.b.fp8), BugClass.FP8_DTYPE),
+                     (lambda g: g.fast_accum, BugClass.ACCUMULATION))
+
+
+def recipe_finding(findings: Sequence[StageFinding], calls: Sequence[ScaledMMCall], steps: Sequence[StepData],
+                   recipe: Recipe, case: Case) -> StageFinding | None:
+    """Where the calls differ from `recipe`'s in a way no single mistake explains, and every one of them
+    is exactly another FP8 recipe's (fp8 formats, scales, values, flags): that recipe is the one the
+    layer implements, said first (a tensorwise layer checked with --recipe rowwise differs in every
+    scale, and no mistake of the rowwise cast reproduces tensorwise scales). Its class is what the two
+    recipes first differ in (a GEMM in high precision, the scaling, the formats, fast accumulation)."""
+    if not calls or not any(f.category is None for f in findings):
+        return None
+    from parity.recipes import RECIPES  # noqa: PLC0415 - the table of every recipe, read here only
+    for other in RECIPES.values():
+        if other is recipe or not other.is_fp8 or other.unsupported(case.M, case.K, case.N):
+            continue
+        try:
+            if _findings_of(calls, steps, other, case):
+                continue
+        except (RuntimeError, ValueError, AttributeError):  # a call this recipe's oracle cannot take
+            continue
+        category = next(cls for read, cls in _SPEC_DIFFERENCES for g in GEMMS
+                        if read(recipe.gemm(g)) != read(other.gemm(g)))
+        first = min(findings, key=lambda f: (f.step, GEMMS.index(f.gemm) if f.gemm in GEMMS else 9))
+        return stage_finding(first.step, first.gemm, "call", "recipe",
+                             f"every recorded call is exactly the {other.name} recipe's (fp8 formats, scales, values "
+                             f"and flags), not the {recipe.name} recipe's: the layer implements {other.name}; check it "
+                             f"with --recipe {other.name}", category)
+    return None
+
+
+def _findings_of(calls: Sequence[ScaledMMCall], steps: Sequence[StepData], recipe: Recipe,
+                 case: Case) -> list[StageFinding]:
+    """How the recorded calls differ from `recipe`'s oracle, GEMM by GEMM and step by step."""
     findings: list[StageFinding] = []
     for step_index, step in enumerate(steps):
         sources = OperandSources(step, steps[step_index - 1] if step_index else None, strides_ignored(step, case))

@@ -21,10 +21,13 @@ from hypothesis import HealthCheck, Phase, find
 from hypothesis import settings as hypothesis_settings
 from hypothesis.errors import Flaky, NoSuchExample
 
+from parity import cpu_gemm
 from parity.cases import Case, edge_cases, layer_case, shrink
 from parity.coverage import covered
 from parity.env import environment
 from parity.exits import raise_if_stopped
+from parity.findings import Headline
+from parity.headline import of_violations
 from parity.impls import Impl, ImplError, builtin_for_recipe, default_reference, hopper_reference, load_impl
 from parity.metrics import describe_mismatch
 from parity.policy import Policy, Violation, default_policy, evaluate
@@ -98,6 +101,13 @@ class CheckResult:
     rerun: str | None = None
     skipped: dict = field(default_factory=dict)  # case id -> why an implementation could not take it
     note: str | None = None  # e.g. a failure that needs the cases before it (state kept across calls)
+    named: Headline | None = None  # what bisect's diagnosis names, where the calls' operands name nothing
+
+    @property
+    def headline(self) -> Headline | None:
+        """The finding that names the failure, as every command heads it (parity.headline): of the recorded
+        calls' operands, else bisect's diagnosis of the minimal case; None where neither names one."""
+        return of_violations(self.violations) or self.named
 
     def to_json(self) -> dict:
         return dict(
@@ -105,6 +115,7 @@ class CheckResult:
             policy=self.plan.policy.value, device=self.device, cases_run=self.cases_run,
             seconds=round(self.seconds, 3),
             minimal_case=None if self.minimal_case is None else self.minimal_case.id,
+            finding=None if self.headline is None else str(self.headline),
             failures=[dict(case_id=v.case_id, tensor=v.tensor, step=v.step, metric=v.metric,
                            value=_jsonable(v.value), allowed=_jsonable(v.allowed), message=v.full_message)
                       for v in self.violations],
@@ -135,6 +146,7 @@ class CheckOptions:
     runner: Worker | None = None
     rerun_alone: bool = True
     layer_case: bool = False  # after a search that found nothing, also one case of a layer's size (cases.layer_case)
+    name_failure: bool = True  # where the calls' operands name no failure, bisect's diagnosis names it
 
 
 def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, cases: Sequence[Case] | None = None,
@@ -148,7 +160,10 @@ def run_check(plan: CheckPlan, *, device: str = "cpu", max_examples: int = 100, 
     case runs in a worker process, within `time_limit` seconds (default: one that fits the case's
     size), in `runner` if given (kept open). A failure found after other cases ran in the worker is
     run again alone in a fresh one (`rerun_alone`), to say whether it needs what ran before.
-    `rerun_command(case)` gives the result's rerun line; `progress(done, planned)` follows each case."""
+    `rerun_command(case)` gives the result's rerun line; `progress(done, planned)` follows each case.
+    With `name_failure`, a failure whose recorded calls' operands name nothing is named by bisect's
+    diagnosis of the minimal case (parity.bisect.name_failure: once, at the end), so the headline is
+    bisect's."""
     settings = CheckOptions(**options)
     if settings.runner is not None:
         return _Check(plan, device, max_examples, settings, settings.runner).run(cases)
@@ -231,6 +246,10 @@ class _Check:
                         f"case alone and passes")
         result = self.finish(Verdict.FAIL, violations, case)
         result.note = note
+        if self.settings.name_failure and result.headline is None and wrong_numbers(violations):
+            from parity.bisect import name_failure  # noqa: PLC0415 - bisect is built on check
+            result.named = name_failure(self.plan, case, violations, self.device, self.runner,
+                                        self.settings.time_limit)
         return result
 
     def repeated(self) -> CheckResult:
@@ -292,6 +311,17 @@ class _Check:
         if self.hung_on is not None:
             return self.conclude(self.hung_on)
         return self.conclude(shrunk(minimal))  # hypothesis shrinks; a greedy pass takes the last steps
+
+
+# the kinds of violation that say a number is wrong (a crash, a death, a contract say what they are themselves)
+NUMBER_KINDS = (Kind.BITWISE, Kind.EXACT, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB, Kind.PAIRED_SQNR_DB, Kind.NONFINITE,
+                Kind.OPERAND)
+
+
+def wrong_numbers(violations: Sequence[Violation]) -> bool:
+    """Wrong numbers and no crash: what bisect's diagnosis can name (parity.bisect.name_failure), where a
+    crash, a hang or a worker's death would only happen again."""
+    return any(v.kind in NUMBER_KINDS for v in violations) and not any(v.kind is Kind.CRASH for v in violations)
 
 
 @dataclass(frozen=True)
@@ -366,6 +396,8 @@ def render(result: CheckResult) -> str:
         lines += [f"error: {result.error}", ""]
     if result.violations:
         lines.append(f"Minimal failing case: {result.minimal_case.id}")
+        if result.headline is not None:
+            lines.append(f"Finding: {result.headline}")
         lines += violation_lines(result.violations[:12], result.rows, indent="  ")
         if len(result.violations) > 12:
             lines.append(f"  ... and {len(result.violations) - 12} more (see --json)")
@@ -419,11 +451,26 @@ def violation_lines(violations: Sequence[Violation], rows: Sequence[Row], *, ind
     return lines
 
 
+def check_command(impl: str, against: str, device: str, extra: Sequence[str] = ()) -> str:
+    """The `fp8-parity check` command line that judges `impl` against `against` on `device` (`extra`: its
+    other flags), shell-quoted."""
+    parts = ["fp8-parity", "check", "--impl", impl, "--against", against, "--device", device, *kernel_flags(device),
+             *extra]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def kernel_flags(device: str, flag: str = "--cpu-gemm") -> list[str]:
+    """`--cpu-gemm MODE` where this process computes CPU scaled GEMMs otherwise than by default (parity.cpu_gemm):
+    under --cpu-gemm hopper a fast-accumulation bug shows in the numbers, and a printed command must run
+    the kernel that found it."""
+    mode = cpu_gemm.mode()
+    return [flag, mode] if device == "cpu" and mode != cpu_gemm.MODES[0] else []
+
+
 def rerun_command(impl: str, against: str, device: str, extra: Sequence[str] = ()) -> Callable[[Case], str]:
+    """check_command for one case (--case): the command that reruns exactly it."""
     def command(case: Case) -> str:
-        parts = ["fp8-parity", "check", "--impl", impl, "--against", against, "--device", device, *extra,
-                 "--case", case.id]
-        return " ".join(shlex.quote(p) for p in parts)
+        return check_command(impl, against, device, [*extra, "--case", case.id])
     return command
 
 

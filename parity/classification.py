@@ -135,6 +135,7 @@ def _crash_class(result: Localization, d: CaseDiagnosis, explained: list[StageFi
                                                         if call.raised and problem.category in NAMED_BY_REJECTION)
     explained = [f for f in explained if (f.step, f.gemm) not in rejected]
     if explained:
+        result.named_by = explained[0]
         result.crash = CrashNote(d.crashes[0].message, tuple(result.triggers))
         result.gemm = sorted({f.gemm for f in explained}, key=gemm_order)
         result.first = result.gemm[0]
@@ -148,7 +149,7 @@ def _unexplained_class(result: Localization, d: CaseDiagnosis, ordered: list[Sta
     the calls an H100 rejects, the contract, or what the numbers say (rounding, overflow, unknown)."""
     stale, layout_operand, numeric = _stale(result), _layout_operand(result), d.numeric
     if ordered:  # differences no single mistake explains
-        first = ordered[0]
+        first = result.named_by = ordered[0]
         if stale:
             return BugClass.STALE_STATE, first.operand
         if layout_operand:
@@ -180,7 +181,8 @@ def _unexplained_class(result: Localization, d: CaseDiagnosis, ordered: list[Sta
 
 
 def classify(result: Localization, d: CaseDiagnosis) -> tuple[BugClass, Operand]:
-    """(category, operand) from the evidence, the first GEMM and stage that differ first."""
+    """(category, operand) from the evidence, the first GEMM and stage that differ first; the finding
+    that names them becomes result.named_by (the headline's, parity.headline)."""
     numeric, matches = d.numeric, d.matches
     ordered = _ordered(d)
     explained = [f for f in ordered if f.category]
@@ -197,9 +199,11 @@ def classify(result: Localization, d: CaseDiagnosis) -> tuple[BugClass, Operand]
         first = explained[0]
         stale_finding = next((f for f in explained if f.category is BugClass.STALE_STATE), None)
         if _stale(result) and stale_finding is None:
+            result.named_by = first
             return BugClass.STALE_STATE, first_operand(result.gemm)
-        first = stale_finding or first
+        first = result.named_by = stale_finding or first
         return _by_layout(result, first.category), first.operand
     if matches:
+        result.named_by = first_match
         return _by_layout(result, first_match.category), first_match.operand
     return _unexplained_class(result, d, ordered)

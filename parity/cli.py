@@ -31,10 +31,10 @@ from parity.exits import (EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTE
                           EXIT_USAGE, TRACEBACK_ENV, CannotRun, UsageError, clear_stops, interrupted_by, one_line,
                           quiet_lost_stops, stop_on_signal, stopped_by, traceback_requested)
 from parity.model_configs import MODELS
-from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_PRESET_SHAPES, BUILTIN_HELP,
-                          BUILTIN_NAMES, CPU_GEMM_MODES, DEFAULT_BASELINE, DISTRIBUTED_MODES, FACTORY_PROTOCOL,
-                          FORMS, FP8_RECIPES, LEARNING_RATE, POLICIES, SWEEP_DEFAULT_IMPLS,
-                          SWEEP_PRESET_DESCRIPTIONS)
+from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_PRESET_SHAPES, BISECT_SEARCH,
+                          BUILTIN_HELP, BUILTIN_NAMES, CHECK_SEARCH, CPU_GEMM_MODES, DEFAULT_BASELINE,
+                          DISTRIBUTED_MODES, FACTORY_PROTOCOL, FORMS, FP8_RECIPES, LEARNING_RATE, POLICIES,
+                          SWEEP_DEFAULT_IMPLS, SWEEP_PRESET_DESCRIPTIONS)
 
 # the exit codes, importable from here as from parity.exits (scripts and tests read them here)
 __all__ = ["EXIT_CANNOT_RUN", "EXIT_FAIL", "EXIT_INCOMPLETE", "EXIT_INTERNAL", "EXIT_PASS", "EXIT_SIGNAL",
@@ -124,8 +124,8 @@ def _add_check(commands) -> None:
                        help="reference implementation (default: the recipe's: torchao's implementation of it, or "
                             "its exact emulation where torchao has none here; fp64 for a high-precision one)")
     _common(check)
-    check.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
-                       help="hypothesis cases to try (default 100)")
+    check.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=CHECK_SEARCH,
+                       help=f"hypothesis cases to try (default {CHECK_SEARCH})")
     check.add_argument("--max-dim", type=_count(16, 16384, "--max-dim 256"), default=256,
                        help="largest M, K and N generated (default 256; the verdict says the largest that ran)")
     check.add_argument("--case", action="append", default=None, metavar="CASE_ID",
@@ -197,8 +197,9 @@ def _add_bisect(commands) -> None:
                         help="localize on this failing case (with --git: each commit's check runs only it)")
     bisect.add_argument("--case-file", type=Path, default=None, metavar="PATH",
                         help="localize on the tensors of this case file (written by `fp8-parity train`)")
-    bisect.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=100,
-                        help="search budget for a failing case")
+    bisect.add_argument("--max-examples", type=_count(1, 100_000, "--max-examples 100"), default=None,
+                        help=f"search budget for a failing case, after the edge cases (default {BISECT_SEARCH}; "
+                             f"check's is {CHECK_SEARCH}; with --git, each commit's check: {CHECK_SEARCH})")
     _timeout_arg(bisect)
     bisect.add_argument("--git", nargs=2, metavar=("GOOD", "BAD"), default=None,
                         help="git bisect the repository in the current directory between two commits, with "

@@ -17,6 +17,7 @@ from parity.coverage import Coverage
 from parity.exits import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS
 from parity.history import git_bisect
 from parity.impls import load_impl
+from parity.names import BISECT_SEARCH, CHECK_SEARCH
 from parity.outputs import atomic_write_bytes, atomic_write_text
 from parity.rows import frame as rows_frame
 from parity.progress import Progress
@@ -62,8 +63,9 @@ def cmd_bisect(args) -> int:
             or (cmd_inputs.named_cases([args.case], device)[0] if args.case else None))
     plan = CheckPlan.make(load_impl(args.impl, form=args.form, recipe=args.recipe, time_limit=args.timeout),
                           load_impl(args.against, time_limit=args.timeout) if args.against else None, device=device)
+    budget = args.max_examples or BISECT_SEARCH
     with Progress(True, "bisect"):
-        result = localize(plan, device=device, case=case, max_examples=args.max_examples, time_limit=args.timeout)
+        result = localize(plan, device=device, case=case, max_examples=budget, time_limit=args.timeout)
     print(render_localized(result), end="")
     if args.json:
         atomic_write_text(args.json, json.dumps(result.to_json(), indent=2) + "\n")
@@ -74,7 +76,7 @@ def _bisect_history(args, device: str) -> int:
     """`bisect --git GOOD BAD`: the first bad commit of the repository in the current directory."""
     with Progress(True, "bisect --git"):  # a heartbeat in a log: one check per commit takes a while
         found = git_bisect(args.git[0], args.git[1], impl=args.impl, against=args.against, device=device,
-                           max_examples=args.max_examples, case=args.case)
+                           max_examples=args.max_examples or CHECK_SEARCH, case=args.case)
     print(found.render(), end="")
     if args.json:
         atomic_write_text(args.json, json.dumps(found.to_json(), indent=2) + "\n")

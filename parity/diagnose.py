@@ -136,6 +136,10 @@ class Match(Finding):
     hypothesis: Hypothesis | None = None  # the mistake of the space it is (None: a result transform)
 
     @property
+    def sentence(self) -> str:
+        return f"{self.operand}: its results are the exact emulation's with {self.description}"
+
+    @property
     def is_mistake(self) -> bool:
         """A hypothesis that matches (>= MATCH_DB) and is clearly closer than the correct emulation (ties go
         to the correct one), not the accumulation-level reading of a result near the exact one."""

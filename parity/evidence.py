@@ -15,24 +15,37 @@ from parity.contract import ScaledMMCall, sm90_problems
 from parity.localization import Localization
 from parity.relations import RELATIONS, check_layout_invariance, check_relation, check_weight_update, missing_tensors
 from parity.runner import execute
-from parity.vocabulary import Kind
+from parity.call_diagnosis import StageFinding
+from parity.vocabulary import Kind, Method, Stage
 
 
 def _layout(stride) -> str:
     return "row-major" if stride[1] == 1 else "column-major" if stride[0] == 1 else f"strides {stride}"
 
 
+# What a call may do in another form than the reference's call and still hand its GEMM the recipe's operands:
+# its scales as other tensors (torchao's rowwise hands unit scales and scales the result after the GEMM), its
+# operands in other strides (what an H100 accepts: parity.contract's rules say where it does not)
+_FORM = ("scale shapes", "A layout", "B layout")
+
+
 def call_differences(candidate: Sequence[ScaledMMCall], reference: Sequence[ScaledMMCall],
-                     reference_name: str) -> list[str]:
+                     reference_name: str, findings: Sequence[StageFinding] | None = None) -> list[str]:
     """Evidence lines: a candidate call whose dtypes, layouts, scales or flags differ from the
-    reference's call for the same GEMM, and calls that would fail on an H100."""
+    reference's call for the same GEMM, and calls that would fail on an H100. Where the calls were
+    compared with the recipe's oracle element by element (`findings`: what that found), a difference
+    in form alone (_FORM: scale shapes, strides) is left out unless a finding of that call's stages
+    (its scales; a rule of the H100) backs it: the reference's form is one of several correct ones."""
     lines = []
     theirs = {(call.step, call.gemms): call for call in reference}
     for call in candidate:
-        lines += [f"_scaled_mm {call.label} GEMM: {problem}" for problem in sm90_problems(call)]
+        problems = sm90_problems(call)
+        lines += [f"_scaled_mm {call.label} GEMM: {problem}" for problem in problems]
         other = theirs.get((call.step, call.gemms))
         if other is None:
             continue
+        stages = None if findings is None else {f.stage for f in findings
+                                                if f.step == call.step and f.gemm in call.gemms}
         for label, mine, ref in (
                 ("A dtype", call.a_dtype, other.a_dtype), ("B dtype", call.b_dtype, other.b_dtype),
                 ("A layout", _layout(call.a_stride), _layout(other.a_stride)),
@@ -40,7 +53,9 @@ def call_differences(candidate: Sequence[ScaledMMCall], reference: Sequence[Scal
                 ("scale shapes", (call.scale_a[0], call.scale_b[0]), (other.scale_a[0], other.scale_b[0])),
                 ("out_dtype", call.out_dtype, other.out_dtype),
                 ("use_fast_accum", call.use_fast_accum, other.use_fast_accum)):
-            if mine != ref:
+            backed = stages is None or label not in _FORM or (
+                problems if "layout" in label else stages & {Stage.SCALE, Stage.UNIT_SCALES, Stage.RECIPE})
+            if mine != ref and backed:
                 lines.append(f"_scaled_mm {call.label} GEMM: {label} {mine} where {reference_name} uses {ref}")
     return lines
 
@@ -87,7 +102,8 @@ def add_evidence(result: Localization, d: CaseDiagnosis) -> None:
     result.evidence += _findings_lines(result, d)
     plan, execution = d.plan, d.execution
     reference_run = execute(plan.reference, d.data, record=plan.reference.recipe.is_fp8)
-    result.evidence += call_differences(execution.calls, reference_run.calls, plan.reference.name)
+    diagnosed = d.findings if result.method is Method.RECORDED_CALLS else None
+    result.evidence += call_differences(execution.calls, reference_run.calls, plan.reference.name, diagnosed)
     result.evidence += [f"recorded call: {call.describe()}" for call in execution.calls
                         if set(call.gemms) & set(result.gemm)][:6]
     missing = missing_tensors(execution, d.case)

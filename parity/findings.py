@@ -11,6 +11,11 @@ reads the sentence: code that needs to know something about a finding reads a fi
       StageFinding   one stage of what a GEMM was handed differs from the oracle's (parity.diagnose)
       Match          a hypothesis that reproduces a GEMM's results end to end (parity.diagnose)
     Trigger          a condition of the case that a failure needs (parity.triggers)
+    Headline         a failure in one line: the finding that names it, its bug class, its triggers
+
+Every command that reports a failure (check, bisect, the pytest plugin, train) opens with its
+Headline, made by parity.headline from the typed findings and rendered by Headline.__str__ alone:
+the same bug reads the same in each.
 """
 
 from __future__ import annotations
@@ -18,6 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parity.vocabulary import BugClass, Condition, Kind, Operand, Stage, Tensor
+
+# A layer's tensors in the order it computes them: a finding about an earlier GEMM comes first
+TENSOR_ORDER = (Tensor.OUTPUT, Tensor.GRAD_INPUT, Tensor.GRAD_WEIGHT, Tensor.GRAD_BIAS)
+# The stages along a GEMM's data path, in the order a diagnosis reads them: the first that differs names the bug
+STAGE_ORDER = (Stage.IN_PLACE, Stage.CALLS, Stage.RECIPE, Stage.PRECISION, Stage.FP8_DTYPE, Stage.SCALE, Stage.BYTES,
+               Stage.UNIT_SCALES, Stage.FAST_ACCUM, Stage.OUT_DTYPE, Stage.RESULT, Stage.CONTRACT, Stage.GPU_RULE)
+
+
+def gemm_order(name: str) -> int:
+    """A GEMM's (or grad_bias's) place in the layer's order: output, grad_input, grad_weight, grad_bias."""
+    return TENSOR_ORDER.index(name) if name in TENSOR_ORDER else 9
+
+
+def stage_order(stage: Stage | None) -> int:
+    """A stage's place along the data path (STAGE_ORDER); stages outside it last."""
+    return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +56,11 @@ class Finding:
     def gemm(self) -> Tensor:
         """The GEMM a diagnosis finding is about (its tensor: the GEMM's result)."""
         return self.tensor
+
+    @property
+    def sentence(self) -> str:
+        """What it says of its GEMM, in one sentence (a subclass's own words)."""
+        return str(self.kind)
 
 
 # ---- triggers -----------------------------------------------------------------------------------------
@@ -82,3 +108,27 @@ class Trigger:
 def labels(triggers) -> list[str]:
     """The triggers as the JSON and the text list them."""
     return [str(trigger) for trigger in triggers]
+
+
+# ---- the headline ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Headline:
+    """A failure in one line: the diagnosis finding that names it (what a GEMM was handed, or did with
+    its result: a StageFinding or a behaviour Match), the bug class, and the conditions it needs. check
+    and the pytest plugin make it from their violations, bisect from its localization, train from the
+    check of its case file (parity.headline); `str` is the only place its words are made, so one bug
+    reads the same in every command:
+
+        grad_weight GEMM (step 0): use_fast_accum=True where the tensorwise recipe says False
+        [accumulation; only on the GPU (the CPU ignores use_fast_accum; its recorded call shows the flag)]
+    """
+
+    finding: Finding
+    category: BugClass | None
+    triggers: tuple[Trigger, ...] = ()
+
+    def __str__(self) -> str:
+        notes = ([str(self.category)] if self.category else []) + labels(self.triggers)
+        where = f"{self.finding.gemm} GEMM (step {self.finding.step})"
+        return f"{where}: {self.finding.sentence}" + (f" [{'; '.join(notes)}]" if notes else "")

@@ -12,29 +12,15 @@ from dataclasses import dataclass, field
 from parity.cases import Case
 from parity.check import CheckPlan
 from parity.env import environment
-from parity.findings import Finding, Trigger, labels
+from parity.findings import STAGE_ORDER, Finding, Headline, Trigger, gemm_order, labels  # noqa: F401 - re-exported
+from parity.headline import is_gpu_lint  # noqa: F401 - re-exported
 from parity.policy import Violation
-from parity.recipes import GEMMS
 from parity.vocabulary import BugClass, Cause, Kind, Method, Operand, Stage, Verdict
 
 NUMERIC_KINDS = (Kind.BITWISE, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB, Kind.PAIRED_SQNR_DB, Kind.NONFINITE,
                  Kind.OPERAND)
 # the classes of the GPU rules (parity.contract) whose rejection of a call names the bug rather than a crash
 NAMED_BY_REJECTION = (BugClass.LAYOUT, BugClass.FP8_DTYPE)
-STAGE_ORDER = (Stage.IN_PLACE, Stage.CALLS, Stage.PRECISION, Stage.FP8_DTYPE, Stage.SCALE, Stage.BYTES,
-               Stage.UNIT_SCALES, Stage.FAST_ACCUM, Stage.OUT_DTYPE, Stage.RESULT, Stage.CONTRACT, Stage.GPU_RULE)
-
-
-def gemm_order(name: str) -> int:
-    """A GEMM's (or grad_bias's) place in the layer's order: output, grad_input, grad_weight, grad_bias."""
-    return (*GEMMS, "grad_bias").index(name) if name in (*GEMMS, "grad_bias") else 9
-
-
-def is_gpu_lint(violation: Violation) -> bool:
-    """A _scaled_mm call that would fail on an H100, or that asks for fast accumulation where the
-    recipe does not, seen where it runs with the right numbers (a CPU)."""
-    return violation.kind is Kind.SCALED_MM_CONTRACT or (violation.kind is Kind.OPERAND
-                                                         and violation.cause is Cause.FLAG_IGNORED_ON_CPU)
 
 
 def is_contract_only(violation: Violation) -> bool:
@@ -105,12 +91,22 @@ class Localization:
     findings: list[Finding] = field(default_factory=list)  # the stage findings and behaviour matches diagnosed
     crash: CrashNote | None = None
     diagnosed_case: Case | None = None
+    named_by: Finding | None = None  # the finding that names the class (parity.classification): the headline's
+    cases_run: int = 0  # the cases the search for a failing case ran
+    search_budget: int | None = None  # the generated cases that search could try (None: the cases were given)
     seconds: dict = field(default_factory=dict)  # wall time of each phase (check, triggers, diagnosis, evidence)
 
     @property
     def trigger(self) -> list[str]:
         """The triggers as the text and the JSON list them."""
         return labels(self.triggers)
+
+    @property
+    def headline(self) -> Headline | None:
+        """The failure in one line, as check and the pytest plugin head the same bug (parity.headline)."""
+        if self.named_by is None:
+            return None
+        return Headline(self.named_by, self.category, tuple(self.triggers))
 
     @property
     def diagnosis(self) -> list[dict]:
@@ -121,6 +117,7 @@ class Localization:
         return dict(verdict=self.verdict, impl=self.plan.candidate.name, reference=self.plan.reference.name,
                     device=self.device, gemm=self.gemm, first=self.first, operand=self.operand,
                     category=self.category, trigger=self.trigger,
+                    finding=None if self.headline is None else str(self.headline),
                     minimal_case=None if self.minimal_case is None else self.minimal_case.id,
                     evidence=self.evidence, error=self.error, method=self.method, diagnosis=self.diagnosis,
                     crash=None if self.crash is None else self.crash.to_json(), recipe=self.plan.candidate.recipe.name,

@@ -23,8 +23,9 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from parity.cases import Case, parse_case_id
-from parity.check import CheckPlan, violation_lines
+from parity.check import CheckPlan, kernel_flags, violation_lines, wrong_numbers
 from parity.data import CaseData, make_data
+from parity.headline import of_violations
 from parity.impls import Impl, ImplError, default_reference, load_impl
 from parity.policy import Violation
 from parity.rows import Row
@@ -140,7 +141,7 @@ class Suite:
                 current = f"{shipped_suite()}{current}"
         parts = ["python", "-m", "pytest", current, "--fp8-impl", self.impl_spec,
                  *(["--fp8-recipe", self.recipe] if self.recipe else []), "--fp8-against", self.reference.name,
-                 "--fp8-device", self.device, "--fp8-case", case.id]
+                 "--fp8-device", self.device, *kernel_flags(self.device, "--fp8-cpu-gemm"), "--fp8-case", case.id]
         return " ".join(shlex.quote(p) for p in parts)
 
     def fail(self, title: str, case: Case, evidence: list[str], *, finding: str | None = None) -> None:
@@ -155,12 +156,25 @@ class Suite:
                  *evidence]
         raise PropertyFailure("\n".join(lines))
 
-    def assert_no_violations(self, title: str, case: Case, rows: list[Row], violations: list[Violation]) -> None:
-        """Fail with the violations (their assert_close-style tables), the first one the finding."""
+    def assert_no_violations(self, title: str, case: Case, rows: list[Row], violations: list[Violation], *,
+                             diagnose: bool = False) -> None:
+        """Fail with the violations (their assert_close-style tables); the finding first: the headline of
+        the diagnosed calls (parity.headline: check's and bisect's words for the same bug), else the first
+        violation. `diagnose`: where the violations' plan did not compare the recorded calls with the
+        recipe's oracle (a plan without it), the case runs once more under check's plan, which does. Where
+        the calls name nothing, bisect's diagnosis names it, as check does (parity.bisect.name_failure)."""
         __tracebackhide__ = True
         if violations:
             lines = violation_lines(violations, rows, full=True)
-            self.fail(title, case, lines, finding=lines[0])
+            headline, judged = of_violations(violations), violations
+            if headline is None and diagnose and wrong_numbers(violations):  # check's plan compares the calls
+                judged = self.plan.judge(run_case_isolated(case, self.plan.comparisons, device=self.device,
+                                                           runner=self.runner))
+                headline = of_violations(judged)
+            if headline is None and wrong_numbers(judged):  # what bisect's diagnosis names, as check does
+                from parity.bisect import name_failure  # noqa: PLC0415 - bisect is built on the suite's check
+                headline = name_failure(self.plan, case, judged, self.device, self.runner)
+            self.fail(title, case, lines, finding=lines[0] if headline is None else str(headline))
 
 
 SUITE = Suite()

@@ -102,6 +102,7 @@ from parity.impls import ImplError, default_reference, load_impl
 from parity.model import GPTConfig, MarkovSource, ModelError, TokenFile, UserModelShape, batches
 from parity.policy import Policy, default_policy
 from parity.recipes import GEMMS
+from parity.train_calls import judge_case_file, judge_first_call
 from parity.train_plan import ROLES, Divergence, RunImpl, TrainError, TrainPlan, TrainResult
 from parity.train_probes import Call, same
 from parity.train_run import build_run, forward_backward, initial_model
@@ -185,6 +186,7 @@ class _Lockstep:
     recompute_differs: tuple[int, int, str] | None = None
     state_changes: list[str] = field(default_factory=list)
     interrupted: str | None = None
+    first_call: tuple[str, dict] | None = None  # the first layer's operands at its first call (parity.train_calls)
 
     def call(self, run: _RemoteRun, fn: Callable, *args, at: str, time_limit: float | None = None,
              **kwargs) -> dict | None:
@@ -280,7 +282,7 @@ class _Lockstep:
             compared = time.perf_counter()
             phases["train_s"] += compared - begin
             bitwise = self._compare(step, micro, replies)
-            if bitwise is None:
+            if bitwise is None or not self._keep_first_call(replies["candidate"]["order"]):
                 return False
             recomputed = self._recomputed(step, micro, replies)
             phases["compare_s"] += time.perf_counter() - compared
@@ -304,6 +306,23 @@ class _Lockstep:
             row.update(loss=run.loss, grad_norm=run.grad_norm, step_seconds=seconds)
         self.rows += step_rows
         self.timing.append(dict(step=step, sampled=sampled, seconds=seconds, **phases))
+        return True
+
+    def _keep_first_call(self, order: list[str]) -> bool:
+        """The candidate's first layer's operands at its first call (where no divergence is known yet), for
+        check's comparisons at the end (parity.train_calls); False when the run died sending them."""
+        if self.first_call is not None or self.divergence is not None or not self.runs[0].impl.recipe.is_fp8:
+            return True
+        for name in order:
+            tensors = self.call(self.runs[0], train_worker.call_tensors, name, at=f"sending {name}'s tensors")
+            if tensors is None:
+                return False
+            call = tensors["call"]
+            if call is not None and call["grad_output"] is not None:
+                self.first_call = name, {"input": Call(**{k: v for k, v in call.items() if k != "weight"})
+                                         .input_for("output"), "weight": call["weight"],
+                                         "grad_output": call["grad_output"]}
+                return True
         return True
 
     def _compare(self, step: int, micro: int, replies: dict[str, dict]) -> dict | None:
@@ -401,8 +420,29 @@ class _Lockstep:
                              self.divergence, self.loss_differs_at, self.crash, seconds,
                              layers=list(self.runs[0].layers), timing=timing, recompute_differs=self.recompute_differs,
                              state_changes=list(self.state_changes), interrupted=self.interrupted)
+        result.finding, result.calls_case_file = self._finding()
         result.verdict = train_verdict(result)
         return result
+
+    def _finding(self) -> tuple[str | None, Path | None]:
+        """check's finding on the first divergence's case file, or, where the runs never parted, on the first
+        layer's first call (with its case file, kept where check found something): parity.train_calls. The
+        implementations run there in a worker, as check runs them."""
+        plan, candidate_run, against_run = self.plan, self.runs[0], self.runs[1]
+        if (self.crash is not None or self.interrupted is not None or self.state_changes
+                or candidate_run.impl is None or against_run.impl is None or not candidate_run.impl.recipe.is_fp8):
+            return None, None
+        if self.divergence is None and (self.loss_differs_at is not None or self.first_call is None):
+            return None, None
+        if self.divergence is not None and self.divergence.case_file is None:
+            return None, None
+        candidate = load_impl(plan.impl, form=plan.form, recipe=plan.recipe, time_limit=self.harness_limit)
+        against = load_impl(against_run.name, time_limit=self.harness_limit)
+        if self.divergence is not None:
+            return judge_case_file(candidate, against, self.divergence.case_file, plan.device), None
+        layer, operands = self.first_call
+        meta = dict(impl=candidate.name, against=against.name, recipe=candidate.recipe.name, model=plan.model)
+        return judge_first_call(candidate, against, layer, operands, plan.device, self.out_dir, meta)
 
 
 def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,

@@ -180,3 +180,7 @@ class TrainResult:
     # "R (role) changed global state during step S: forward/backward: what (restored)", the first of each run
     state_changes: list[str] = field(default_factory=list)
     interrupted: str | None = None  # "SIGINT" / "SIGTERM": the report holds the steps that finished
+    # the headline of check's comparisons of a case file (parity.train_calls): the first divergence's, or,
+    # where the runs never part, the first layer's first call's where check finds something there
+    finding: str | None = None
+    calls_case_file: Path | None = None  # that first call's case file, kept where check found something

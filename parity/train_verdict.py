@@ -10,6 +10,7 @@ import pandas as pd
 
 from parity.exits import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_PASS
 from parity.report_verdict import Verdict
+from parity.train_calls import bisect_command
 from parity.train_plan import DEEPSEEK_RELATIVE_LOSS_GAP, ROLES, TrainResult
 
 
@@ -91,6 +92,8 @@ def _complete_verdict(result: TrainResult) -> Verdict:
     details += changed
     parity_ok, pair = True, f"{result.runs['candidate']} and {result.runs['against']}"
     done = steps_done(result)
+    if result.finding is not None:  # check's words for what the diverging (or first) GEMM was handed
+        details.insert(0, f"finding: {result.finding}")
     if result.divergence is not None:
         parity_ok = not result.bitwise_required
         where = f" (case file: {result.divergence.case_file})" if result.divergence.case_file else ""
@@ -104,8 +107,17 @@ def _complete_verdict(result: TrainResult) -> Verdict:
     else:
         calls = f" and all {plan.grad_accum} micro-batches of each" if plan.grad_accum > 1 else ""
         details.insert(0, f"{pair} are bitwise equal in every GEMM of every layer at all {done} steps{calls}")
+    calls_differ = result.divergence is None and result.finding is not None  # parity.train_calls
+    if calls_differ:
+        parity_ok = False
+        where = f" (case file: {result.calls_case_file})" if result.calls_case_file else ""
+        details.insert(1, f"check's comparisons of the first layer's first call{where} find what the numbers here "
+                          f"do not show")
     if result.state_changes:
         headline = f"FAIL: {result.state_changes[0]}"
+    elif calls_differ:
+        headline = (f"FAIL: {result.runs['candidate']}'s _scaled_mm calls are not the {_candidate_recipe(result)} "
+                    f"recipe's, though it trains in bitwise lockstep with {result.runs['against']} on {plan.device}")
     elif not parity_ok:
         first = result.divergence or f"the loss at step {result.loss_differs_at}"
         headline = f"FAIL: {pair} must be bitwise equal and diverge first at {first}"
@@ -117,12 +129,19 @@ def _complete_verdict(result: TrainResult) -> Verdict:
                     + ("in bitwise lockstep with " + result.runs["against"] if result.divergence is None else
                        "(its recipe differs from " + result.runs["against"] + "'s)")
                     + f", within {100 * allowed:.3f}% of {result.runs['baseline']}'s loss")
+    case_file = result.calls_case_file if calls_differ else result.divergence and result.divergence.case_file
     next_step = None
-    if result.divergence is not None and result.divergence.case_file is not None and not parity_ok:
-        next_step = (f"fp8-parity bisect --impl {result.runs['candidate']} --against {result.runs['against']} "
-                     f"--device {plan.device} --case-file {result.divergence.case_file}")
+    if case_file is not None and not parity_ok:
+        next_step = bisect_command(result.runs["candidate"], result.runs["against"], plan.device, case_file,
+                                   recipe=plan.recipe, form=plan.form)
     ok = bool(parity_ok and loss_ok and not result.state_changes)
     return Verdict(ok, headline, details, next_step)
+
+
+def _candidate_recipe(result: TrainResult) -> str:
+    """The candidate's recipe, as its rows name it."""
+    rows = result.frame[result.frame["role"] == "candidate"]
+    return str(rows["recipe"].iloc[0]) if len(rows) else "its"
 
 
 def exit_code(result: TrainResult) -> int:

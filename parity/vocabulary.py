@@ -115,6 +115,7 @@ class Stage(Word):
 
     IN_PLACE = "in_place"  # an operand the implementation wrote in place
     CALLS = "calls"  # which calls were made (none, or one the kernel rejects outright)
+    RECIPE = "recipe"  # every recorded call is another recipe's (the layer implements that one)
     PRECISION = "precision"
     FP8_DTYPE = "fp8_dtype"
     SCALE = "scale"

@@ -150,14 +150,137 @@ def test_git_bisect_bad_input_exits_2(tmp_path, monkeypatch, capsys):
     assert "git rev-parse --show-toplevel failed" in err and "Traceback" not in err
 
 
-def test_bisects_rerun_line_reproduces_the_failure_as_printed(capsys):
-    """The printed `Rerun:` command judges the layer as bisect did: for your own code of another recipe it
-    carries --recipe (without it, a rowwise layer was judged as tensorwise, with false findings)."""
+# A planted bug of each recipe a CPU judges against its reference: (its --impl and --recipe, a failing case).
+# Blockwise is left out: its torchao reference cannot run on a CPU (check says so, exit 125), and against
+# emulated:blockwise the 128-aligned cases and the diagnosis by behaviour cost tens of seconds a run here.
+PRINTED = {
+    "tensorwise": ("evals/zoo/mutants.py:scale_not_inverted", []),
+    "rowwise": ("evals/zoo/mutants.py:rowwise_pow2_missing", ["--recipe", "rowwise"]),
+    "rowwise_with_gw_hp": ("evals/heldout/set12/gwhp_conv_go_scale_not_inverted.py:convert",
+                           ["--recipe", "rowwise_with_gw_hp"]),
+}
+
+
+@pytest.mark.parametrize("recipe", list(PRINTED))
+def test_bisects_rerun_line_reproduces_the_finding_as_printed(recipe, tmp_path, capsys):
+    """The printed `Rerun:` command judges the layer as bisect did and finds what bisect found: for your own
+    code of another recipe it carries --recipe (without it, a rowwise layer was judged as tensorwise, with
+    false findings), and check heads the failure with bisect's finding."""
     import shlex
-    assert main(["bisect", "--impl", "evals/zoo/mutants.py:rowwise_pow2_missing", "--recipe", "rowwise",
-                 "--case", "M32K64N48|normal|seed0", "--device", "cpu"]) == 1
-    rerun = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Rerun: "))
+    impl, flags = PRINTED[recipe]
+    localized, rerun_json = tmp_path / "bisect.json", tmp_path / "check.json"
+    assert main(["bisect", "--impl", impl, *flags, "--case", "M32K64N48|normal|seed0", "--device", "cpu",
+                 "--json", str(localized)]) == 1
+    finding = json.loads(localized.read_text())["finding"]
+    text = capsys.readouterr().out
+    assert finding and f"finding      : {finding}" in text
+    rerun = next(line for line in text.splitlines() if line.startswith("Rerun: "))
     argv = shlex.split(rerun.removeprefix("Rerun: "))
-    assert argv[:2] == ["fp8-parity", "check"] and argv[argv.index("--recipe") + 1] == "rowwise"
-    assert main([*argv[1:], "--quiet"]) == 1
-    assert "(rowwise recipe)" in capsys.readouterr().out  # judged as bisect judged it
+    assert argv[:2] == ["fp8-parity", "check"]
+    assert (argv[argv.index("--recipe") + 1] if "--recipe" in argv else None) == (flags[1] if flags else None)
+    assert main([*argv[1:], "--quiet", "--json", str(rerun_json)]) == 1
+    assert f"({recipe} recipe)" in capsys.readouterr().out  # judged as bisect judged it
+    assert json.loads(rerun_json.read_text())["finding"] == finding
+
+def test_a_case_files_tensors_are_diagnosed_as_saved(tmp_path):
+    """Issue 28 item 10: a case file whose K and N are equal was diagnosed on a cropped twin ("diagnosed on
+    M32K48N16|...|file:..." for a file of M8x32K64N64); its tensors are what training diverged on."""
+    import torch
+    from parity.data import saved_case, write_case_file
+    g = torch.Generator().manual_seed(0)
+    draw = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16)  # noqa: E731
+    path = write_case_file(tmp_path / "case.pt", [dict(input=draw(8, 32, 64), weight=draw(64, 64),
+                                                       grad_output=draw(8, 32, 64))])
+    case = saved_case(path)
+    result = localize(CheckPlan.make(load_impl("evals/zoo/mutants.py:scale_not_inverted")), case=case, isolate=False)
+    assert result.verdict == "fail" and result.diagnosed_case == case, result.evidence
+    assert not any(line.startswith("diagnosed on") for line in result.evidence)
+    assert result.category == "scale" and "the GEMM handed its scale instead of the inverse" in str(result.headline)
+
+
+ROWWISE_FLOAT32_OUT = '''
+import torch
+
+def to_fp8_rows(x):
+    amax = x.float().abs().amax(dim=1, keepdim=True).double().clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2((448.0 / amax).float())))
+    return (x.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn).contiguous(), scale.reciprocal()
+
+def mm(a, b_t, out_dtype, fast=False):
+    """Row scales in the call (torchao scales the result after a unit-scale call), the sums written in float32."""
+    a8, sa = to_fp8_rows(a)
+    b8, sb = to_fp8_rows(b_t)
+    out = torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.float32, use_fast_accum=fast)
+    return out.to(out_dtype)
+
+class Fp8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return mm(x, w, x.dtype, fast=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return mm(g, w.t().contiguous(), g.dtype), mm(g.t().contiguous(), x.t().contiguous(), g.dtype).to(w.dtype)
+
+def fp8_linear(input_2d, weight):
+    return Fp8Matmul.apply(input_2d, weight)
+'''
+
+
+def test_rowwise_evidence_leads_with_the_out_dtype_not_the_scale_shapes(tmp_path):
+    """Issue 28 item 10: a rowwise layer whose GEMMs write float32 where torchao writes bf16 had its evidence
+    list the calls' scale shapes (row scales in the call; torchao's calls take unit scales and scale the
+    result after) around the finding. The element-wise diagnosis found those scales right: a difference of
+    form is left out, and the out_dtype heads the localization."""
+    path = tmp_path / "rowwise_float32_out.py"
+    path.write_text(ROWWISE_FLOAT32_OUT)
+    plan = CheckPlan.make(load_impl(f"{path}:fp8_linear", recipe="rowwise"))
+    result = localize(plan, case=Case(lead=(16,), K=16, N=16, input_dtype="fp32"), isolate=False)
+    assert "writes float32 where the rowwise recipe's GEMM writes bfloat16" in str(result.headline), result.evidence
+    assert result.category == "accumulation" and result.first == "output"
+    assert not any("scale shapes" in line for line in result.evidence), result.evidence
+    assert any("out_dtype float32 where torchao:rowwise uses bfloat16" in line for line in result.evidence)
+
+
+def test_bisect_without_a_case_searches_briefly_and_names_checks_wider_search(monkeypatch, capsys):
+    """Issue 28 item 10: bisect of a correct layer took a check's whole search (26 s) to find nothing to
+    localize. Without --case it searches BISECT_SEARCH generated cases after the edge cases (--git: each
+    commit's check, CHECK_SEARCH), and its PASS prints the check command of the wider search."""
+    import shlex
+    from parity import cmd_check
+    from parity.bisect import render
+    from parity.cli import build_parser
+    from parity.localization import Localization
+    from parity.names import BISECT_SEARCH, CHECK_SEARCH
+    from parity.vocabulary import Verdict
+    budgets = []
+
+    def recorded(plan, **kw):
+        budgets.append(kw["max_examples"])
+        return Localization(Verdict.PASS, plan, kw["device"], cases_run=18 + kw["max_examples"],
+                            search_budget=kw["max_examples"])
+
+    class NoCommit:  # what git_bisect gives back, for the budget it was handed
+        first_bad = None
+
+        def render(self):
+            return "no bad commit\n"
+    monkeypatch.setattr(cmd_check, "localize", recorded)
+    monkeypatch.setattr(cmd_check, "git_bisect", lambda *a, **kw: budgets.append(kw["max_examples"]) or NoCommit())
+    assert main(["bisect", "--git", "HEAD~1", "HEAD", "--impl", "layer.py:f", "--device", "cpu"]) == 0
+    assert budgets == [CHECK_SEARCH]
+    budgets.clear()
+    assert main(["bisect", "--impl", "evals/zoo/mutants.py:correct_rowwise", "--recipe", "rowwise",
+                 "--device", "cpu"]) == 0
+    assert budgets == [BISECT_SEARCH] and BISECT_SEARCH < CHECK_SEARCH
+    text = capsys.readouterr().out
+    assert f"in {18 + BISECT_SEARCH} cases" in text and "nothing to localize" in text
+    wider = next(line for line in text.splitlines() if line.startswith("A wider search: "))
+    args = build_parser().parse_args(shlex.split(wider.removeprefix("A wider search: "))[1:])
+    assert (args.command, args.impl, args.against, args.device, args.recipe, args.max_examples) == (
+        "check", "evals/zoo/mutants.py:correct_rowwise", "torchao:rowwise", "cpu", "rowwise", CHECK_SEARCH)
+    plan = CheckPlan.make(load_impl("fp8_impl"))
+    given = Localization(Verdict.PASS, plan, "cpu", cases_run=1)
+    assert "on the case given: nothing to localize" in render(given)

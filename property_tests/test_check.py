@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from evals.zoo.mutants import BY_NAME
 
 MUTANTS = "evals/zoo/mutants.py"
 JSON_KEYS = {"verdict", "impl", "reference", "policy", "device", "cases_run", "seconds", "minimal_case", "failures",
-             "error", "rerun", "env", "recipe", "skipped", "note", "coverage"}
+             "error", "rerun", "env", "recipe", "skipped", "note", "coverage", "finding"}
 FAILURE_KEYS = {"case_id", "tensor", "step", "metric", "value", "allowed", "message"}
 
 
@@ -141,8 +142,12 @@ def test_cli_pass_fail_and_json(tmp_path, capsys):
     assert {f["tensor"] for f in failed["failures"]} == {"grad_input", "grad_weight"}
     text = capsys.readouterr().out
     assert "Minimal failing case: M16K16N16" in text and "Rerun exactly this case:" in text
+    assert f"Finding: {failed['finding']}" in text and "the GEMM handed its scale instead of the inverse" in text
     rerun = failed["rerun"]
     assert rerun.startswith("fp8-parity check --impl") and "--case 'M16K16N16|" in rerun
+    # the printed command, run as printed, reproduces the finding
+    assert main([*shlex.split(rerun)[1:], "--quiet", "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["finding"] == failed["finding"]
 
 
 def test_cli_reruns_exactly_one_case(capsys):
@@ -282,3 +287,20 @@ def test_check_runs_a_case_of_a_layers_size_after_its_search():
     assert run_check(candidate, max_examples=1).verdict == "pass"  # the search alone
     result = run_check(candidate, max_examples=1, layer_case=True)
     assert result.verdict == "fail" and result.minimal_case.M > 512, render(result)
+
+
+def test_a_layer_checked_as_another_recipe_is_told_which_recipe_its_calls_are():
+    """Issue 28 item 3: a tensorwise layer checked with --recipe rowwise differs from the rowwise oracle in
+    every scale, and no single mistake of the rowwise cast reproduces tensorwise scales; what its calls are
+    is said first (was: "its inverse scale differs from the oracle's ... no single mistake reproduces it")."""
+    from parity.bisect import localize
+    plan = CheckPlan.make(load_impl(f"{MUTANTS}:correct", recipe="rowwise"))
+    case = Case(lead=(16,), K=16, N=16)
+    headline = str(run_check(plan, cases=[case], isolate=False).headline)
+    assert headline == ("output GEMM (step 0): every recorded call is exactly the tensorwise recipe's (fp8 formats, "
+                        "scales, values and flags), not the rowwise recipe's: the layer implements tensorwise; check "
+                        "it with --recipe tensorwise [scale]")
+    assert str(localize(plan, case=case, isolate=False).headline) == headline
+    # judged as the recipe its calls are, it passes
+    assert run_check(CheckPlan.make(load_impl(f"{MUTANTS}:correct", recipe="tensorwise")), cases=[case],
+                     isolate=False).verdict == "pass"

@@ -63,7 +63,7 @@ def test_parity_with_reference(case):
     plan = CheckPlan.make(SUITE.candidate, SUITE.reference, oracle=False, device=SUITE.device)
     rows, violations = SUITE.run(case, plan)
     SUITE.assert_no_violations(f"{SUITE.candidate.name} is not at parity with {SUITE.reference.name}", case, rows,
-                               violations)
+                               violations, diagnose=True)
 
 
 # ---- 2. accuracy ---------------------------------------------------------------------------------------
