@@ -403,6 +403,40 @@ def test_a_gemms_bits_computed_again_are_those_the_kernel_gave_the_implementatio
                                   data.bias if gemm == "output" else None) == got.numel(), (case.id, gemm)
 
 
+@pytest.mark.fp8_gpu
+@pytest.mark.skipif(not fp8_gpu_available(), reason="needs an FP8 GPU")
+@pytest.mark.parametrize("impl", ["fp8_impl", "torchao:rowwise", "fp8_impl:blockwise"])
+def test_on_a_calibrated_gpu_a_gemms_bits_computed_again_are_the_gpus(impl):
+    """The claim on a GPU: where the calibration vouches for a GEMM's call, the Hopper model on the oracle's
+    operands, then the recipe's roundings and the bias, is a correct implementation's result in every bit."""
+    from parity.cases import Case
+    from parity.data import make_data
+    from parity.diagnose import _equal_through
+    from parity.exact_reproduction import Kernel, call_out_dtype, gemm_bits
+    from parity.impls import load_impl
+    from parity.runner import emulated_steps_of, execute
+    candidate = load_impl(impl)
+    device = torch.device("cuda")
+    vouched = 0
+    for case in (Case(lead=(256,), K=512, N=384, input_dtype="fp32"), Case(lead=(2, 128), K=256, N=128)):
+        if candidate.unsupported(case, "cuda"):
+            continue
+        data = make_data(case, device)
+        execution = execute(candidate, data, record=True, keep_data=True)
+        emulated = emulated_steps_of(data.on_host(), candidate.recipe)[0]
+        for gemm in (spec.name for spec in candidate.recipe.gemms if not spec.high_precision):
+            out_dtype = call_out_dtype(execution.calls, 0, gemm)
+            bits = None if out_dtype is None else gemm_bits(candidate.recipe, gemm, emulated.operands[gemm],
+                                                            out_dtype, device)
+            if bits is None:
+                continue
+            vouched += 1
+            assert bits.kernel is Kernel.HOPPER_MODEL
+            got = execution.steps[0][gemm]
+            assert _equal_through(got, bits, None, case, gemm, candidate.recipe, None) == got.numel(), (case.id, gemm)
+    assert vouched, "no GEMM's call was vouched for by the calibration"
+
+
 def test_a_gemms_bits_are_not_claimed_where_no_known_kernel_computed_them(monkeypatch):
     """torch's own CPU kernel (its sums follow the operands' strides), a block-scaled GEMM on a CPU, a
     high-precision GEMM, and on a GPU a call the calibration does not vouch for: no bits, no exact claim."""
