@@ -24,6 +24,7 @@ import torch
 from parity.cases import Case
 from parity.contract import ScaledMMCall
 from parity.data import StepData
+from parity.exact_reproduction import BitMatch
 from parity.findings import Finding
 from parity.mistakes import Hypothesis, operand_hypotheses, quantize_mistaken
 from parity.operand_sources import OperandSources, strides_ignored
@@ -41,6 +42,8 @@ class StageFinding(Finding):
     message: str
     hypothesis: Hypothesis | None = None  # the mistake that explains it, when one of the space does
     problems: tuple = ()  # the contract problems it is (parity.contract.ContractProblem), at the contract stage
+    # at the result stage, where the GEMM's bits were computed again: how many its mistake reproduced
+    reproduced: BitMatch | None = None
 
     def __str__(self) -> str:
         return f"{self.gemm} GEMM (step {self.step}): {self.message}"

@@ -24,8 +24,9 @@ from parity.contract import Breach, ContractProblem, GpuProblem, ScaledMMCall, c
     sm90_problems
 from parity.data import CaseData, make_data
 from parity.call_diagnosis import StageFinding, call_findings, resolve_calls, stage_finding
-from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Match, diagnose_behaviour, explain_result, gemm_inverse_scales,
-                             high_precision_closeness)
+from parity.diagnose import (ACCUMULATION_DB, MATCH_DB, Match, diagnose_behaviour, gemm_inverse_scales,
+                             high_precision_closeness, read_result)
+from parity.exact_reproduction import BitMatch, GemmBits, call_out_dtype, gemm_bits
 from parity.localization import Localization, Outcome, gemm_order
 from parity.metrics import compare
 from parity.operand_sources import strides_ignored
@@ -33,6 +34,15 @@ from parity.policy import Violation
 from parity.recipes import GEMMS, OPERANDS, Recipe
 from parity.runner import Execution, emulated_steps_of, execute
 from parity.vocabulary import BugClass, Kind, Method, Stage
+
+
+@dataclass(frozen=True)
+class Unreproduced:
+    """A GEMM of the result stage that no mistake explains, and how near the nearest came bit for bit."""
+
+    step: int
+    gemm: str
+    reproduced: BitMatch
 
 
 @dataclass
@@ -47,6 +57,8 @@ class CaseDiagnosis:
     execution: Execution
     findings: list[StageFinding] = field(default_factory=list)
     matches: list[Match] = field(default_factory=list)
+    # GEMMs at the result stage whose bits were computed again and that no mistake explains: how near they came
+    unreproduced: list[Unreproduced] = field(default_factory=list)
 
     @property
     def recipe(self) -> Recipe:
@@ -187,29 +199,50 @@ def _contract_findings(d: CaseDiagnosis) -> list[StageFinding]:
 
 
 def _result_findings(d: CaseDiagnosis) -> list[StageFinding]:
-    """GEMMs whose calls are the recipe's but whose results are not: the result stage."""
+    """GEMMs whose calls are the recipe's but whose results are not: the result stage. A GEMM beyond the
+    accumulation bound (or with Inf or NaN) is explained as before, the mistakes that reproduce its bits
+    exactly first where they are known (parity.exact_reproduction); one that differs only bit for bit
+    (policy exact against the Hopper model, or bitwise against the reference) is explained only by a mistake
+    that reproduces every bit."""
     bounded = {(v.step, v.tensor) for v in d.numeric if v.kind in (Kind.ACCUMULATION_BOUND, Kind.NONFINITE)}
     # a grad_bias that breaks nn.Linear's contract: the bias is the output GEMM's, whose result is then
     # explained even within the bound (a GPU's is loose enough to hide a dropped bias)
     if d.host.bias is not None:
         bounded |= {(v.step, "output") for v in d.outcome.violations if v.tensor == "grad_bias"}
+    bitwise = {(v.step, v.tensor) for v in d.numeric if v.kind in (Kind.EXACT, Kind.BITWISE)} - bounded
     flagged = {(f.step, f.gemm) for f in d.findings}
     execution, host, recipe = d.execution, d.host, d.recipe
     out = []
-    for step_index, gemm in sorted(bounded, key=lambda k: (k[0], gemm_order(k[1]))):
+    for step_index, gemm in sorted(bounded | bitwise, key=lambda k: (k[0], gemm_order(k[1]))):
         if gemm not in GEMMS or (step_index, gemm) in flagged or step_index >= len(execution.steps) \
                 or not any(step_index == c.step and gemm in c.gemms for c in execution.calls):
             continue
         got_result = execution.steps[step_index][gemm]
-        exact = getattr(emulated_steps_of(host, recipe)[step_index], gemm)
-        explained = None if got_result is None else explain_result(
-            got_result, exact, d.case, gemm, recipe, bias=host.bias if gemm == "output" else None,
-            scales=gemm_inverse_scales(host.steps[step_index], gemm, recipe))
+        emulated = emulated_steps_of(host, recipe)[step_index]
+        bits = _gemm_bits(d, step_index, gemm, emulated)
+        if got_result is None or (bits is None and (step_index, gemm) in bitwise):
+            continue
+        reading = read_result(got_result, getattr(emulated, gemm), d.case, gemm, recipe,
+                              bias=host.bias if gemm == "output" else None,
+                              scales=gemm_inverse_scales(host.steps[step_index], gemm, recipe), bits=bits,
+                              beyond_bound=(step_index, gemm) in bounded)
+        explained = reading.explanation
         if explained is not None:
             out.append(stage_finding(step_index, gemm, explained.operand, "result",
                                      f"{explained.description} (every recorded operand is the recipe's)",
-                                     explained.category))
+                                     explained.category, reproduced=explained.reproduced))
+        if reading.reproduced is not None and (explained is None or explained.reproduced is None):
+            d.unreproduced.append(Unreproduced(step_index, gemm, reading.reproduced))
     return out
+
+
+def _gemm_bits(d: CaseDiagnosis, step_index: int, gemm: str, emulated) -> GemmBits | None:
+    """The GEMM as the kernel that ran its recorded call computes it from the oracle's operands, where that
+    kernel's bits are known (parity.exact_reproduction); None elsewhere."""
+    out_dtype = call_out_dtype(d.execution.calls, step_index, gemm)
+    if out_dtype is None or gemm not in emulated.operands:
+        return None
+    return gemm_bits(d.recipe, gemm, emulated.operands[gemm], out_dtype, d.data.device)
 
 
 def _uncalled_results(d: CaseDiagnosis) -> tuple[int, dict[str, torch.Tensor]]:

@@ -35,6 +35,7 @@ an operand rounded to a lower precision before its fp8 cast).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -46,6 +47,7 @@ from parity.cases import Case
 from parity.call_diagnosis import (OperandExplanation, StageFinding, _same, assign_calls,  # noqa: F401 - re-exported
                                    call_findings, compare_call, explain_operand, resolve_calls, stage_finding)
 from parity.data import StepData
+from parity.exact_reproduction import BitMatch, GemmBits, equal_elements
 from parity.findings import Finding
 from parity.metrics import compare, sqnr_db
 from parity.mistakes import (NARROWER, Hypothesis, high_precision_hypotheses, operand_hypotheses, quantize_mistaken,
@@ -90,6 +92,16 @@ def gemm_inverse_scales(step: StepData, gemm: str, recipe: Recipe) -> tuple[torc
     return a_rows, b_cols
 
 
+@dataclass(frozen=True)
+class ResultReading:
+    """What the result stage reads of a GEMM's result: the explanation (None: none), and where the GEMM's bits
+    were computed again, how near the result stage's mistakes came to them bit for bit (also where none
+    explains it: how close the nearest came)."""
+
+    explanation: Explanation | None
+    reproduced: BitMatch | None = None
+
+
 def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: str, recipe: Recipe, *,
                    bias: torch.Tensor | None = None, scales=None) -> Explanation | None:
     """The Explanation when `got` is the exact GEMM result `exact` (float64) transformed after the
@@ -97,6 +109,40 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
     result mistakes of parity.mistakes); None when no such transform reproduces it. With the GEMM's
     per-row and per-column inverse `scales` (gemm_inverse_scales), also a scale misapplied to the
     result, which blames the operand whose scale it is."""
+    return read_result(got, exact, case, tensor, recipe, bias=bias, scales=scales).explanation
+
+
+def read_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: str, recipe: Recipe, *,
+                bias: torch.Tensor | None = None, scales=None, bits: GemmBits | None = None,
+                beyond_bound: bool = True) -> ResultReading:
+    """explain_result's reading, and with `bits` (the GEMM as the kernel that ran its call computed it,
+    parity.exact_reproduction) each mistake applied to those bits and compared bit for bit first: one that
+    reproduces every element explains the result outright, before any that only comes near the exact
+    result. A result within the accumulation bound (not `beyond_bound`) is explained only so: there
+    closeness cannot tell a mistake from the accumulation's own rounding."""
+    mistakes = result_mistakes(got, exact, case, tensor, recipe, has_bias=bias is not None, scales=scales)
+    bit_match = None
+    if bits is not None:
+        exactly, bit_match = _bit_for_bit(got, bits, mistakes, case, tensor, recipe, bias)
+        if exactly is not None or bit_match is None or not beyond_bound:
+            return ResultReading(exactly, bit_match)
+    elif not beyond_bound:
+        return ResultReading(None)
+    named = _explained_near(got, exact, mistakes, case, tensor, recipe, bias)
+    if named is None or bit_match is None:
+        return ResultReading(named, bit_match)
+    mistake = next((m for m in mistakes if m.explanation == named), None)
+    if mistake is None:  # the overflow reading: no mistake's bits to count
+        return ResultReading(named, bit_match)
+    equal = _equal_through(got, bits, mistake, case, tensor, recipe, bias)
+    return ResultReading(dataclasses.replace(named, reproduced=dataclasses.replace(bit_match, equal=equal or 0)),
+                         bit_match)
+
+
+def _explained_near(got: torch.Tensor, exact: torch.Tensor, mistakes: Sequence[ResultMistake], case: Case,
+                    tensor: str, recipe: Recipe, bias: torch.Tensor | None) -> Explanation | None:
+    """The first mistake whose float64 result comes within MATCH_DB of `got` (bit for bit, for a second
+    rounding), or the overflow reading; None."""
     got64 = got.detach().to(torch.float64).cpu().reshape(-1, got.shape[-1])
     exact = exact.detach().to(torch.float64).cpu()
     b = None if bias is None else bias.detach().to(torch.float64).cpu()
@@ -112,13 +158,60 @@ def explain_result(got: torch.Tensor, exact: torch.Tensor, case: Case, tensor: s
         if mistake.bit_exact:
             return _same(value.reshape(got64.shape), got64)
         return value.shape == got64.shape and _closeness(got64, value) >= MATCH_DB
-    for mistake in result_mistakes(got, exact, case, tensor, recipe, has_bias=b is not None, scales=scales):
+    for mistake in mistakes:
         value = mistake.transform(exact, b)
         if value is not None and reproduces(mistake, value):
             return mistake.explanation
     if bool((~torch.isfinite(got64) & torch.isfinite(rounded(exact if b is None else exact + b))).any()):
         return Explanation(BugClass.SATURATION, "the result overflows its dtype where the exact result does not")
     return None
+
+
+def _finished(value: torch.Tensor, case: Case, tensor: str, recipe: Recipe, bias: torch.Tensor | None,
+              times: int) -> torch.Tensor:
+    """A GEMM's result before its roundings, rounded as the layer writes it: through the recipe's dtypes, the
+    output's bias (`times` times) added in the output dtype as torch adds it (in fp32, then rounded) before
+    the last rounding."""
+    chain = oracles.rounding_chain(case, tensor, recipe)
+    with_bias = bias is not None and tensor == "output" and case.bias
+    for dtype in chain[:-1] if with_bias else chain:
+        value = value.to(dtype)
+    if with_bias:
+        out = chain[-1]
+        for _ in range(times):
+            value = (value.to(torch.float64) + bias.to(out).to(torch.float64)).to(torch.float32).to(out)
+        value = value.to(out)
+    return value
+
+
+def _equal_through(got: torch.Tensor, bits: GemmBits, mistake: ResultMistake | None, case: Case, tensor: str,
+                   recipe: Recipe, bias: torch.Tensor | None) -> int | None:
+    """How many elements of `got` a mistake (None: none, the recipe's own epilogue) applied to the kernel's
+    `bits` reproduces bit for bit; None where the mistake changes nothing on them."""
+    kernel = bits.value.detach().cpu().to(torch.float64)
+    value = kernel if mistake is None else mistake.transform(kernel, None)
+    if value is None:
+        return None
+    times = 1 if mistake is None else mistake.bias_times
+    return equal_elements(got, _finished(value, case, tensor, recipe, None if bias is None else bias.cpu(), times))
+
+
+def _bit_for_bit(got: torch.Tensor, bits: GemmBits, mistakes: Sequence[ResultMistake], case: Case, tensor: str,
+                 recipe: Recipe, bias: torch.Tensor | None) -> tuple[Explanation | None, BitMatch | None]:
+    """(the first mistake that reproduces every element of `got` from the kernel's bits, or None; how near
+    the mistakes came). (None, None) where the recipe's own epilogue reproduces them: nothing after the
+    GEMM is wrong."""
+    elements = got.numel()
+    if _equal_through(got, bits, None, case, tensor, recipe, bias) == elements:
+        return None, None
+    counts = [(count, mistake) for mistake in mistakes
+              if (count := _equal_through(got, bits, mistake, case, tensor, recipe, bias)) is not None]
+    nearest = max((count for count, _ in counts), default=0)
+    whole = next((mistake for count, mistake in counts if count == elements), None)
+    match = BitMatch(nearest, elements, nearest, bits.kernel)
+    if whole is None:
+        return None, match
+    return dataclasses.replace(whole.explanation, reproduced=match), match
 
 
 # ---- by behaviour: the same hypotheses, end to end ------------------------------------------------

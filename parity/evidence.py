@@ -14,6 +14,8 @@ from parity.cases import Layout
 from parity.contract import ScaledMMCall, sm90_problems
 from parity.localization import Localization
 from parity.relations import RELATIONS, check_layout_invariance, check_relation, check_weight_update, missing_tensors
+from parity.diagnose import MATCH_DB
+from parity.exact_reproduction import Kernel
 from parity.runner import execute
 from parity.call_diagnosis import StageFinding
 from parity.vocabulary import Kind, Method, Stage
@@ -64,6 +66,7 @@ def _findings_lines(result: Localization, d: CaseDiagnosis) -> list[str]:
     lines = [f"{v.metric}: {v.full_message}" for v in d.outcome.violations[:6]
              if v.kind not in (Kind.SCALED_MM_CONTRACT, Kind.OPERAND)]
     lines += [f"stage {f.stage}: {f}" for f in d.findings[:8]]
+    lines += exact_lines(d)
     diverging = {v.tensor for v in d.numeric}
     lines += [f"behaviour: {m.gemm}: matches the exact emulation with {m.description} ({m.db:.1f} dB; "
               f"the correct emulation: {m.correct_db:.1f} dB)" + ("" if m.gemm in diverging else
@@ -72,6 +75,32 @@ def _findings_lines(result: Localization, d: CaseDiagnosis) -> list[str]:
     if result.crash:
         lines.append(f"crash: {result.crash.message} "
                      f"({'; '.join(map(str, result.crash.triggers)) or 'on the minimal case'})")
+    return lines
+
+
+KERNEL_WORDS = {Kernel.CPU_FAST: "the CPU's fast scaled-GEMM kernel, which computed the call",
+                Kernel.CPU_HOPPER: "the Hopper model, which computed the call (--cpu-gemm hopper)",
+                Kernel.HOPPER_MODEL: "the Hopper model, calibrated bit for bit for this call on this GPU"}
+
+
+def exact_lines(d: CaseDiagnosis) -> list[str]:
+    """The result stage's bit-for-bit readings: a mistake that reproduces every element of its GEMM, or, where
+    none does, how near the nearest came."""
+    lines = []
+    for f in d.findings:
+        match = f.reproduced if f.stage is Stage.RESULT else None
+        if match is None:
+            continue
+        where = f"exact: {f.gemm} GEMM (step {f.step}), its call through {KERNEL_WORDS[match.kernel]}"
+        if match.whole:
+            lines.append(f"{where}: the mistake named reproduces all {match.elements} elements bit for bit")
+        else:
+            lines.append(f"{where}: no mistake of the result stage reproduces its {match.elements} elements bit for "
+                         f"bit (the nearest: {match.nearest}); the one named comes within {MATCH_DB:.0f} dB of the "
+                         f"exact result and reproduces {match.equal} of {match.elements}")
+    lines += [f"exact: {u.gemm} GEMM (step {u.step}), its call through {KERNEL_WORDS[u.reproduced.kernel]}: no "
+              f"mistake of the result stage reproduces its {u.reproduced.elements} elements bit for bit (the "
+              f"nearest: {u.reproduced.nearest})" for u in d.unreproduced]
     return lines
 
 

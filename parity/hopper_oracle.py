@@ -23,6 +23,8 @@ case, and the runner asks parity.calibration whether the table vouches for it (p
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from parity import calibration, cpu_gemm, hopper, oracles
@@ -42,23 +44,41 @@ def _unit_scales(recipe: Recipe, spec) -> bool:
     return spec.kind == "RowWise" and not spec.fast_accum and recipe.unit_scales_without_fast_accum
 
 
-def _call(recipe: Recipe, spec, a: oracles.Quantized, b: oracles.Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """The recipe's GEMM `spec` of quantized A [R, I] and B [C, I], written in `out_dtype` as the GPU writes it."""
+def _modelled(kind: CallKind, a_fp8: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor,
+              scale_b: torch.Tensor, *, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """One TensorWise or RowWise call as the H200 computes it (parity.hopper)."""
+    call = hopper.tensorwise if kind is CallKind.TENSORWISE else hopper.rowwise
+    return call(a_fp8, b_rows, scale_a, scale_b, out_dtype=out_dtype, fast_accum=fast_accum).value
+
+
+def _call(recipe: Recipe, spec, a: oracles.Quantized, b: oracles.Quantized, out_dtype: torch.dtype,
+          scaled_mm=_modelled) -> torch.Tensor:
+    """The recipe's GEMM `spec` of quantized A [R, I] and B [C, I], written in `out_dtype` as the GPU writes it;
+    its TensorWise and RowWise calls made by `scaled_mm` (the Hopper model; parity.exact_reproduction hands
+    the CPU's kernel), BlockWise ones by the model."""
     a_fp8, b_fp8 = _fp8(a), _fp8(b)
     if spec.kind == "TensorWise":
-        return hopper.tensorwise(a_fp8, b_fp8, a.inv_scale.float(), b.inv_scale.float(), out_dtype=out_dtype,
-                                 fast_accum=spec.fast_accum).value
+        return scaled_mm(CallKind.TENSORWISE, a_fp8, b_fp8, a.inv_scale.float().reshape(()),
+                         b.inv_scale.float().reshape(()), out_dtype=out_dtype, fast_accum=spec.fast_accum)
     if spec.kind == "RowWise":
         rows = a.inv_scale.float().expand(a_fp8.shape[0], 1)
         columns = b.inv_scale.float().reshape(-1, 1).expand(b_fp8.shape[0], 1).reshape(1, -1)
         if _unit_scales(recipe, spec):  # torchao: the tensorwise kernel, then the (power-of-two) scales
             one = torch.ones((), device=a_fp8.device)
-            unscaled = hopper.tensorwise(a_fp8, b_fp8, one, one, out_dtype=out_dtype, fast_accum=False).value
+            unscaled = scaled_mm(CallKind.TENSORWISE, a_fp8, b_fp8, one, one, out_dtype=out_dtype, fast_accum=False)
             return (unscaled.float() * (rows.to(unscaled.device) * columns.to(unscaled.device))).to(out_dtype)
-        return hopper.rowwise(a_fp8, b_fp8, rows, columns, out_dtype=out_dtype, fast_accum=spec.fast_accum).value
+        return scaled_mm(CallKind.ROWWISE, a_fp8, b_fp8, rows, columns, out_dtype=out_dtype,
+                         fast_accum=spec.fast_accum)
     b_tiles = "128x128" if spec.b.scaling is Scaling.BLOCK_128X128 else "1x128"
     return hopper.blockwise(a_fp8, b_fp8, a.inv_scale.float(), b.inv_scale.float(), out_dtype=out_dtype,
                             b_tiles=b_tiles, fast_accum=spec.fast_accum).value
+
+
+def call_result(recipe: Recipe, name: str, a: oracles.Quantized, b: oracles.Quantized, out_dtype: torch.dtype, *,
+                scaled_mm=_modelled) -> torch.Tensor:
+    """GEMM `name` of the quantized operands as the recipe's call (and its unit-scale epilogue) writes it in
+    `out_dtype`, before the result's further roundings and the bias (the Hopper model unless `scaled_mm`)."""
+    return _call(recipe, recipe.gemm(name), a, b, out_dtype, scaled_mm)
 
 
 def gemm(recipe: Recipe, name: str, a_hp: torch.Tensor, b_hp_t: torch.Tensor, out_dtype: torch.dtype):
@@ -100,6 +120,17 @@ def call_config(recipe: Recipe, tensor: str, rows: int, inner: int, cols: int, o
         return Config(CallKind.ROWWISE, spec.a.fp8, spec.b.fp8, out, spec.fast_accum, rows, inner, cols)
     return Config(CallKind.TENSORWISE, spec.a.fp8, spec.b.fp8, out, spec.fast_accum and spec.kind == "TensorWise",
                   rows, inner, cols)
+
+
+def call_exactness(recipe: Recipe, tensor: str, rows: int, inner: int, cols: int, call_out: torch.dtype,
+                   device: torch.device) -> calibration.Exactness:
+    """Whether the calibration of the GPU `device` vouches for GEMM `tensor` of the recipe made as a call that
+    writes `call_out` (the implementation's call may write another dtype than the recipe's first rounding)."""
+    config = call_config(recipe, tensor, rows, inner, cols, call_out)
+    if config is None or call_out not in OUT_NAMES:
+        return calibration.Exactness(False, f"{tensor} is no FP8 call the model computes in {call_out}")
+    config = dataclasses.replace(config, out=OUT_NAMES[call_out])
+    return calibration.exactness(config, calibration.table_for(torch.cuda.get_device_name(device)))
 
 
 def gemm_dims(tensor: str, M: int, K: int, N: int) -> tuple[int, int, int]:

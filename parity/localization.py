@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from parity.cases import Case
 from parity.check import CheckPlan
 from parity.env import environment
+from parity.exact_reproduction import BitMatch
 from parity.findings import STAGE_ORDER, Finding, Headline, Trigger, gemm_order, labels  # noqa: F401 - re-exported
 from parity.headline import is_gpu_lint  # noqa: F401 - re-exported
 from parity.policy import Violation
 from parity.vocabulary import BugClass, Cause, Kind, Method, Operand, Stage, Verdict
 
-NUMERIC_KINDS = (Kind.BITWISE, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB, Kind.PAIRED_SQNR_DB, Kind.NONFINITE,
-                 Kind.OPERAND)
+NUMERIC_KINDS = (Kind.BITWISE, Kind.EXACT, Kind.ACCUMULATION_BOUND, Kind.SQNR_DB, Kind.PAIRED_SQNR_DB,
+                 Kind.NONFINITE, Kind.OPERAND)
 # the classes of the GPU rules (parity.contract) whose rejection of a call names the bug rather than a crash
 NAMED_BY_REJECTION = (BugClass.LAYOUT, BugClass.FP8_DTYPE)
 
@@ -68,9 +69,11 @@ def _diagnosis_entry(finding: Finding) -> dict:
         return dict(step=finding.step, gemm=finding.gemm, operand=finding.operand, stage=Stage.BEHAVIOUR,
                     category=finding.category, message=f"matches the exact emulation with {finding.description} "
                                                        f"({finding.db:.1f} dB; the correct emulation: "
-                                                       f"{finding.correct_db:.1f} dB)")
+                                                       f"{finding.correct_db:.1f} dB)", exact=None)
+    reproduced = getattr(finding, "reproduced", None)
     return dict(step=finding.step, gemm=finding.gemm, operand=finding.operand, stage=finding.stage,
-                category=finding.category or "", message=finding.message)
+                category=finding.category or "", message=finding.message,
+                exact=None if reproduced is None else reproduced.to_json())
 
 
 @dataclass
@@ -109,6 +112,13 @@ class Localization:
         return Headline(self.named_by, self.category, tuple(self.triggers))
 
     @property
+    def reproduction(self) -> BitMatch | None:
+        """How the finding that named the class and first GEMM reproduced that GEMM's bits, where they were
+        computed again (parity.exact_reproduction); None where they were not, or another finding named it."""
+        return next((finding.reproduced for finding in self.findings if getattr(finding, "reproduced", None)
+                     and finding.gemm == self.first and finding.category == self.category), None)
+
+    @property
     def diagnosis(self) -> list[dict]:
         """The findings as the JSON lists them."""
         return [_diagnosis_entry(finding) for finding in self.findings]
@@ -120,6 +130,7 @@ class Localization:
                     finding=None if self.headline is None else str(self.headline),
                     minimal_case=None if self.minimal_case is None else self.minimal_case.id,
                     evidence=self.evidence, error=self.error, method=self.method, diagnosis=self.diagnosis,
+                    exact=None if self.reproduction is None else self.reproduction.to_json(),
                     crash=None if self.crash is None else self.crash.to_json(), recipe=self.plan.candidate.recipe.name,
                     diagnosed_case=None if self.diagnosed_case is None else self.diagnosed_case.id,
                     seconds={phase: round(value, 2) for phase, value in self.seconds.items()},

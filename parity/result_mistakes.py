@@ -14,6 +14,7 @@ import torch
 
 from parity import oracles
 from parity.cases import Case
+from parity.exact_reproduction import BitMatch
 from parity.recipes import GEMMS, Recipe
 from parity.vocabulary import BugClass, Operand
 
@@ -26,6 +27,9 @@ class Explanation:
     category: BugClass
     description: str
     operand: str = Operand.RESULT
+    # how many of the GEMM's elements it reproduces bit for bit, where the GEMM's bits are known
+    # (parity.exact_reproduction.BitMatch; None where they are not, or where no mistake of the space is it)
+    reproduced: BitMatch | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,9 @@ class ResultMistake:
     # matched bit for bit through the roundings (a second rounding leaves results too near the correct
     # ones for closeness to tell), not within parity.diagnose.MATCH_DB
     bit_exact: bool = False
+    # how often it adds the bias (the output GEMM's, where the case has one): the bit-for-bit reading
+    # (parity.diagnose) adds it after `transform` of the result without it, as the code would
+    bias_times: int = 1
 
     @property
     def explanation(self) -> Explanation:
@@ -116,8 +123,9 @@ def _rearranged(shape: Sequence[int]) -> list[ResultMistake]:
 
 
 BIAS_MISTAKES = (
-    ResultMistake("the bias added twice", BugClass.CONTRACT, lambda exact, bias: _plus_bias(exact, bias, 2)),
-    ResultMistake("the bias dropped", BugClass.CONTRACT, lambda exact, bias: exact))
+    ResultMistake("the bias added twice", BugClass.CONTRACT, lambda exact, bias: _plus_bias(exact, bias, 2),
+                  bias_times=2),
+    ResultMistake("the bias dropped", BugClass.CONTRACT, lambda exact, bias: exact, bias_times=0))
 
 
 def _rounded_through(dtype: torch.dtype, exact: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -184,6 +184,17 @@ USER_CODE = textwrap.dedent('''
         return float8_matmul(input_2d, weight) * 2
 
 
+    def output_times_1_05(input_2d, weight):
+        """The right GEMM, its result then multiplied by 1.05."""
+        return float8_matmul(input_2d, weight) * 1.05
+
+
+    def output_through_bf16(input_2d, weight):
+        """The right GEMMs; the output rounded through bf16 on its way back to the input's dtype."""
+        output = float8_matmul(input_2d, weight)
+        return output.to(torch.bfloat16).to(output.dtype)
+
+
     class _InputScaledInBf16OnGpu(torch.autograd.Function):
         """Tensorwise; the output GEMM's input multiplied by its scale converted to bf16 (what `x * scale`
         does on a GPU with a 0-dim float32 scale on the device), the product rounded to bf16 before the
@@ -644,14 +655,82 @@ def test_an_intermediate_overflow_is_saturation_not_a_misapplied_scale():
 
 
 def test_one_ulp_is_a_rounding_level_difference_never_a_structural_bug(user_file):
+    """One element of grad_weight one ulp off (within the bound; not bitwise torchao's): the CPU's kernel computed
+    its call, so the result stage looks for a mistake that reproduces its bits; none does, and the evidence
+    says how near the nearest came (every element but the one) instead of naming one."""
     result = bisect(user_file, "one_ulp_off")
     assert (result.category, result.gemm) == ("accumulation", ["grad_weight"]), (result.category, result.evidence)
+    elements = result.diagnosed_case.N * result.diagnosed_case.K
+    assert any(line.startswith("exact: grad_weight GEMM (step 0)") and f"no mistake of the result stage reproduces "
+               f"its {elements} elements bit for bit (the nearest: {elements - 1})" in line
+               for line in result.evidence), result.evidence
+    assert result.to_json()["exact"] is None  # no mistake named the class: nothing was reproduced
 
 
 def test_a_result_rescaled_after_its_gemm(user_file):
     result = bisect(user_file, "output_doubled")
     assert (result.category, result.operand, result.first) == ("scale", "result", "output"), result.evidence
     assert any("multiplied by 2" in line for line in result.evidence)
+
+
+def test_a_mistake_that_reproduces_every_bit_wins_over_one_that_only_comes_near(user_file):
+    """fp32 input with a bias, K = 1024: the output rounded through bf16 before the bias is added. Against the
+    float64 result both that rounding and "the bias added twice" come within MATCH_DB (53 and 48 dB on this
+    case: the bias is small beside sums of 1024 products), and the space tries the bias first: bisect said
+    `contract`. The CPU's fast kernel computed the call; through it the rounding reproduces every element of
+    the output bit for bit and the bias twice does not, so the rounding is named, and the JSON says so."""
+    result = bisect(user_file, "output_through_bf16", case=Case(lead=(32,), K=1024, N=16, input_dtype="fp32",
+                                                                  bias=True))
+    assert (result.first, result.category, result.operand) == ("output", "accumulation", "result"), result.evidence
+    assert any("stage result" in line and "rounded through bfloat16" in line for line in result.evidence)
+    assert any(line.startswith("exact: output GEMM (step 0)") and "reproduces all 512 elements bit for bit" in line
+               for line in result.evidence), result.evidence
+    assert result.to_json()["exact"] == dict(bit_for_bit=True, equal=512, elements=512, nearest=512,
+                                             kernel="cpu_fast")
+    entry = next(e for e in result.to_json()["diagnosis"] if e["stage"] == "result")
+    assert entry["exact"]["bit_for_bit"] and entry["category"] == "accumulation"
+
+
+def test_where_no_mistake_reproduces_every_bit_the_one_named_by_closeness_says_how_many_it_does(user_file):
+    """The output multiplied by 1.05: the rescaling the space estimates (a least-squares ratio, not 1.05 itself)
+    comes within MATCH_DB of the result and is named, as before; through the kernel it reproduces only some of
+    the elements bit for bit, and the reading says how many, never that it is exact."""
+    from parity.diagnose import gemm_inverse_scales, read_result
+    from parity.exact_reproduction import Kernel, call_out_dtype, gemm_bits
+    from parity.runner import emulated_steps_of, execute
+    case = Case(lead=(32,), K=48, N=16)
+    data, recipe = make_data(case), RECIPES["tensorwise"]
+    execution = execute(load_impl(f"{user_file}:output_times_1_05"), data, record=True, keep_data=True)
+    emulated = emulated_steps_of(data, recipe)[0]
+    bits = gemm_bits(recipe, "output", emulated.operands["output"], call_out_dtype(execution.calls, 0, "output"),
+                     torch.device("cpu"))
+    assert bits is not None and bits.kernel is Kernel.CPU_FAST
+    reading = read_result(execution.steps[0]["output"], emulated.output, case, "output", recipe, bits=bits,
+                          scales=gemm_inverse_scales(data.steps[0], "output", recipe))
+    named = reading.explanation
+    assert named.description.startswith("the result multiplied by 1.05"), named
+    assert not named.reproduced.whole and 0 < named.reproduced.equal < 512 == named.reproduced.elements
+    assert named.reproduced.nearest >= named.reproduced.equal
+    # within the bound (only bitwise different) closeness names nothing: only the bits may
+    assert read_result(execution.steps[0]["output"], emulated.output, case, "output", recipe, bits=bits,
+                       beyond_bound=False).explanation is None
+
+
+def test_the_exact_evidence_says_all_n_elements_or_how_near_the_nearest_came():
+    from types import SimpleNamespace
+
+    from parity.call_diagnosis import stage_finding
+    from parity.evidence import exact_lines
+    from parity.exact_reproduction import BitMatch, Kernel
+    whole = stage_finding(0, "output", "result", "result", "the bias dropped", "contract",
+                          reproduced=BitMatch(96, 96, 96, Kernel.HOPPER_MODEL))
+    near = stage_finding(1, "grad_input", "result", "result", "the result multiplied by 3", "scale",
+                         reproduced=BitMatch(40, 96, 90, Kernel.CPU_FAST))
+    lines = exact_lines(SimpleNamespace(findings=[whole, near], unreproduced=[]))
+    assert lines[0] == ("exact: output GEMM (step 0), its call through the Hopper model, calibrated bit for bit for "
+                        "this call on this GPU: the mistake named reproduces all 96 elements bit for bit")
+    assert "grad_input GEMM (step 1)" in lines[1] and "reproduces its 96 elements bit for bit (the nearest: 90)" \
+        in lines[1] and "reproduces 40 of 96" in lines[1] and "all 96" not in lines[1]
 
 
 def test_a_crash_does_not_hide_the_numbers_before_it(user_file):

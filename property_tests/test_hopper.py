@@ -371,3 +371,129 @@ def test_a_call_the_model_does_not_compute_is_not_judged_not_a_crash_of_the_cand
         rows = run_case_isolated(parse_case_id("M16K16N16|normal|seed0"), comparisons, runner=runner)
     assert rows and all(row.error is None for row in rows), [row.error for row in rows]
     assert all("scale_result is not modelled" in row.skipped and "cannot be judged" in row.skipped for row in rows)
+
+
+# ---- bisect's result stage: a GEMM's bits computed again (parity.exact_reproduction) ------------------------
+
+@pytest.mark.parametrize("kernel", ["fast", "hopper"])
+@pytest.mark.parametrize("impl", ["fp8_impl", "torchao:rowwise", "fp8_impl:rowwise_with_gw_hp"])
+def test_a_gemms_bits_computed_again_are_those_the_kernel_gave_the_implementation(kernel, impl, monkeypatch):
+    """What bisect's result stage claims to know bit for bit: each FP8 GEMM of a correct implementation, its call
+    computed again from the oracle's operands by the kernel that ran it (the CPU's fast kernel, or the Hopper
+    model under --cpu-gemm hopper), then the recipe's roundings and the bias, is that implementation's result in
+    every bit (fp32 input with a bias; the rowwise recipes' unit-scale GEMMs included)."""
+    from parity.cases import Case
+    from parity.cpu_gemm import ENV
+    from parity.data import make_data
+    from parity.diagnose import _equal_through
+    from parity.exact_reproduction import Kernel, call_out_dtype, gemm_bits
+    from parity.impls import load_impl
+    from parity.runner import emulated_steps_of, execute
+    monkeypatch.setenv(ENV, kernel)
+    candidate = load_impl(impl)
+    for case in (Case(lead=(32,), K=64, N=48, input_dtype="fp32", bias=True), Case(lead=(2, 16), K=48, N=32)):
+        data = make_data(case)
+        execution = execute(candidate, data, record=True, keep_data=True)
+        emulated = emulated_steps_of(data, candidate.recipe)[0]
+        for gemm in (spec.name for spec in candidate.recipe.gemms if not spec.high_precision):
+            bits = gemm_bits(candidate.recipe, gemm, emulated.operands[gemm],
+                             call_out_dtype(execution.calls, 0, gemm), torch.device("cpu"))
+            assert bits.kernel is (Kernel.CPU_FAST if kernel == "fast" else Kernel.CPU_HOPPER)
+            got = execution.steps[0][gemm]
+            assert _equal_through(got, bits, None, case, gemm, candidate.recipe,
+                                  data.bias if gemm == "output" else None) == got.numel(), (case.id, gemm)
+
+
+@pytest.mark.fp8_gpu
+@pytest.mark.skipif(not fp8_gpu_available(), reason="needs an FP8 GPU")
+@pytest.mark.parametrize("impl", ["fp8_impl", "torchao:rowwise", "fp8_impl:blockwise"])
+def test_on_a_calibrated_gpu_a_gemms_bits_computed_again_are_the_gpus(impl):
+    """The claim on a GPU: where the calibration vouches for a GEMM's call, the Hopper model on the oracle's
+    operands, then the recipe's roundings and the bias, is a correct implementation's result in every bit."""
+    from parity.cases import Case
+    from parity.data import make_data
+    from parity.diagnose import _equal_through
+    from parity.exact_reproduction import Kernel, call_out_dtype, gemm_bits
+    from parity.impls import load_impl
+    from parity.runner import emulated_steps_of, execute
+    candidate = load_impl(impl)
+    device = torch.device("cuda")
+    vouched = 0
+    for case in (Case(lead=(256,), K=512, N=384, input_dtype="fp32"), Case(lead=(2, 128), K=256, N=128)):
+        if candidate.unsupported(case, "cuda"):
+            continue
+        data = make_data(case, device)
+        execution = execute(candidate, data, record=True, keep_data=True)
+        emulated = emulated_steps_of(data.on_host(), candidate.recipe)[0]
+        for gemm in (spec.name for spec in candidate.recipe.gemms if not spec.high_precision):
+            out_dtype = call_out_dtype(execution.calls, 0, gemm)
+            bits = None if out_dtype is None else gemm_bits(candidate.recipe, gemm, emulated.operands[gemm],
+                                                            out_dtype, device)
+            if bits is None:
+                continue
+            vouched += 1
+            assert bits.kernel is Kernel.HOPPER_MODEL
+            got = execution.steps[0][gemm]
+            assert _equal_through(got, bits, None, case, gemm, candidate.recipe, None) == got.numel(), (case.id, gemm)
+    assert vouched, "no GEMM's call was vouched for by the calibration"
+
+
+def test_a_gemms_bits_are_not_claimed_where_no_known_kernel_computed_them(monkeypatch):
+    """torch's own CPU kernel (its sums follow the operands' strides), a block-scaled GEMM on a CPU, a
+    high-precision GEMM, and on a GPU a call the calibration does not vouch for: no bits, no exact claim."""
+    from parity.cpu_gemm import ENV
+    from parity.exact_reproduction import gemm_bits
+    from parity.hopper_oracle import call_exactness
+    from parity.oracles import quantize
+    from parity.recipes import RECIPES
+    generator = torch.Generator().manual_seed(0)
+    a_hp, b_hp = torch.randn(128, 256, generator=generator), torch.randn(128, 256, generator=generator)
+    def operands(recipe, gemm="output"):
+        spec = RECIPES[recipe].gemm(gemm)
+        return quantize(a_hp, spec.a), quantize(b_hp, spec.b)
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ENV, "torch")
+    assert gemm_bits(RECIPES["tensorwise"], "output", operands("tensorwise"), torch.bfloat16, cpu) is None
+    for kernel in ("fast", "hopper"):
+        monkeypatch.setenv(ENV, kernel)
+        assert gemm_bits(RECIPES["tensorwise"], "output", operands("tensorwise"), torch.bfloat16, cpu) is not None
+        assert gemm_bits(RECIPES["blockwise"], "output", operands("blockwise"), torch.bfloat16, cpu) is None
+        assert gemm_bits(RECIPES["rowwise_with_gw_hp"], "grad_weight", operands("tensorwise"), torch.bfloat16,
+                         cpu) is None
+    # a GPU: the calibration of the GPU decides, for the dtype the call writes
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cuda = torch.device("cuda")
+    assert call_exactness(RECIPES["tensorwise"], "output", 64, 128, 96, torch.bfloat16, cuda).exact
+    rowwise_fp32 = call_exactness(RECIPES["rowwise"], "output", 64, 128, 96, torch.float32, cuda)
+    assert not rowwise_fp32.exact and "no calibrated RowWise call" in rowwise_fp32.why
+    assert gemm_bits(RECIPES["rowwise"], "output", operands("rowwise"), torch.float32, cuda) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert not call_exactness(RECIPES["tensorwise"], "output", 64, 128, 96, torch.bfloat16, cuda).exact
+
+
+def test_through_the_model_a_rounding_that_reproduces_every_bit_wins_over_a_bias_that_comes_near(
+        cpu_gemm_hopper, tmp_path):
+    """--cpu-gemm hopper: the output rounded through bf16 before the bias (fp32 input, K = 1024). Against the
+    float64 result "the bias added twice" comes within MATCH_DB first (the space tries it before a second
+    rounding); through the Hopper model, which computed the call, the rounding reproduces every bit."""
+    from parity.cases import Case
+    from parity.data import make_data
+    from parity.diagnose import gemm_inverse_scales, read_result
+    from parity.exact_reproduction import Kernel, call_out_dtype, gemm_bits
+    from parity.impls import load_impl
+    from parity.runner import emulated_steps_of, execute
+    path = tmp_path / "through_bf16.py"
+    path.write_text("import torch\nfrom fp8_impl import float8_matmul\n\n\ndef output_through_bf16(input_2d, weight):\n"
+                    "    return float8_matmul(input_2d, weight).to(torch.bfloat16).to(input_2d.dtype)\n")
+    case = Case(lead=(32,), K=1024, N=16, input_dtype="fp32", bias=True)
+    data, candidate = make_data(case), load_impl(f"{path}:output_through_bf16")
+    execution = execute(candidate, data, record=True, keep_data=True)
+    emulated, recipe = emulated_steps_of(data, candidate.recipe)[0], candidate.recipe
+    read = dict(got=execution.steps[0]["output"], exact=emulated.output, case=case, tensor="output", recipe=recipe,
+                bias=data.bias, scales=gemm_inverse_scales(data.steps[0], "output", recipe))
+    assert read_result(**read).explanation.description == "the bias added twice"
+    bits = gemm_bits(recipe, "output", emulated.operands["output"], call_out_dtype(execution.calls, 0, "output"),
+                     torch.device("cpu"))
+    named = read_result(**read, bits=bits).explanation
+    assert named.description.startswith("the result rounded through bfloat16") and named.category == "accumulation"
+    assert named.reproduced.whole and named.reproduced.elements == 512 and named.reproduced.kernel is Kernel.CPU_HOPPER

@@ -79,6 +79,9 @@ def evaluate(entry: dict, device: str) -> dict:
         operand_ok=result.operand == entry["operand"],
         triggers_ok=all(trigger_found(t, result.trigger) for t in entry["trigger"]),
         method=result.method, seconds=round(time.perf_counter() - start, 1),
+        # the result-stage mistake that named the class, where the GEMM's bits were computed again: how many of
+        # its elements it reproduced bit for bit ("512/512": exactly; None: not reproducible, or not that stage)
+        exact=None if result.reproduction is None else f"{result.reproduction.equal}/{result.reproduction.elements}",
         phases=" ".join(f"{phase}:{value:.1f}" for phase, value in result.seconds.items()))
     row["correct"] = row["gemm_ok"] and row["class_ok"]
     return row
