@@ -1,11 +1,9 @@
 """The recipes as configuration: how each operand of each GEMM is cast to FP8, and how each GEMM runs.
 
-A recipe answers three questions per GEMM (output, grad_input, grad_weight): which fp8 format
-each operand takes, at what granularity it is scaled (one scale per tensor, per row along the
-GEMM's inner dim, per 1x128 tile, per 128x128 block or per 32-element MX block, or not at all:
-high precision), and whether the GEMM may accumulate fast. `Float8LinearConfig.from_recipe_name`
-builds the recipes torchao, DeepSeek-V3 and Blackwell's MXFP8 use; matmul.py's docstring says why
-each is what it is.
+A recipe answers three questions per GEMM (output, grad_input, grad_weight): which fp8 format each operand
+takes, how many of its elements share a scale (Scaling; none: high precision), and whether the GEMM may
+accumulate fast. `Float8LinearConfig.from_recipe_name` builds the recipes of torchao, DeepSeek-V3 and
+Blackwell's MXFP8; matmul.py's docstring says why each is what it is.
 """
 
 from __future__ import annotations
@@ -68,8 +66,8 @@ class GemmConfig:
             raise TypeError(f"GemmConfig.fast_accum must be a bool, got {self.fast_accum!r}")
 
 
-_TENSOR, _AXIS = CastConfig(Scaling.TENSORWISE), CastConfig(Scaling.AXISWISE)
-_HIGH = CastConfig(Scaling.DISABLED, None)
+_TENSOR, _AXIS, _HIGH = CastConfig(Scaling.TENSORWISE), CastConfig(Scaling.AXISWISE), CastConfig(Scaling.DISABLED, None)
+_TILE, _BLOCK = CastConfig(Scaling.BLOCK_1X128), CastConfig(Scaling.BLOCK_128X128)
 _MX = GemmConfig(CastConfig(Scaling.MX_1X32), CastConfig(Scaling.MX_1X32))  # every operand along its GEMM's inner dim
 _RECIPES = {
     Float8LinearRecipeName.TENSORWISE: dict(
@@ -82,10 +80,8 @@ _RECIPES = {
     Float8LinearRecipeName.ROWWISE_WITH_GW_HP: dict(
         output=GemmConfig(_AXIS, _AXIS, fast_accum=True), grad_input=GemmConfig(_AXIS, _TENSOR),
         grad_weight=GemmConfig(_HIGH, _HIGH), round_scales_to_power_of_2=True),
-    Float8LinearRecipeName.BLOCKWISE: dict(
-        output=GemmConfig(CastConfig(Scaling.BLOCK_1X128), CastConfig(Scaling.BLOCK_128X128)),
-        grad_input=GemmConfig(CastConfig(Scaling.BLOCK_1X128), CastConfig(Scaling.BLOCK_128X128)),
-        grad_weight=GemmConfig(CastConfig(Scaling.BLOCK_1X128), CastConfig(Scaling.BLOCK_1X128))),
+    Float8LinearRecipeName.BLOCKWISE: dict(  # weights in 128x128 blocks; grad_weight's operands in 1x128 tiles
+        output=GemmConfig(_TILE, _BLOCK), grad_input=GemmConfig(_TILE, _BLOCK), grad_weight=GemmConfig(_TILE, _TILE)),
     **{name: dict(output=_MX, grad_input=_MX, grad_weight=_MX, mx_rule=rule) for name, rule in (
         (Float8LinearRecipeName.MXFP8, "rceil"), (Float8LinearRecipeName.MXFP8_FLOOR, "floor"))},
 }
@@ -116,8 +112,7 @@ class Float8LinearConfig:
         name = recipe_name.value if isinstance(recipe_name, enum.Enum) else recipe_name
         if name not in names:
             raise ValueError(f"fp8_impl knows the recipes {names}, got {name!r}")
-        recipe = Float8LinearRecipeName(name)
-        return Float8LinearConfig(recipe=recipe, **_RECIPES[recipe])
+        return Float8LinearConfig(recipe=Float8LinearRecipeName(name), **_RECIPES[Float8LinearRecipeName(name)])
 
     @property
     def gemms(self) -> tuple[GemmConfig, GemmConfig, GemmConfig]:
@@ -126,10 +121,10 @@ class Float8LinearConfig:
     @property
     def alignment(self) -> int:
         """M, K and N must be multiples of this: 16 for cuBLASLt's FP8 GEMMs, 128 for block scales."""
-        blocks = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
-        if any(c.scaling is Scaling.MX_1X32 for g in self.gemms for c in (g.a, g.b)):
+        scalings = {c.scaling for g in self.gemms for c in (g.a, g.b)}
+        if Scaling.MX_1X32 in scalings:
             return 32  # whole blocks of 32 along every GEMM's inner dim: M, K and N
-        return 128 if any(c.scaling in blocks for g in self.gemms for c in (g.a, g.b)) else 16
+        return 128 if scalings & {Scaling.BLOCK_1X128, Scaling.BLOCK_128X128} else 16
 
     def short_str(self) -> str:
         def cast(c: CastConfig) -> str:

@@ -33,9 +33,8 @@ def _check_features(in_features: int, out_features: int, config: Float8LinearCon
 class Float8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8 (dynamic scaling; the recipe is `config`'s).
 
-    Accepts any number of leading batch dims; bf16/fp16/fp32 input; bf16/fp16/fp32 weight.
-    Output dtype is the input's, gradients have the dtypes of input, weight and bias, as
-    nn.Linear gives them. The bias is added in high precision after the GEMM.
+    Takes any leading batch dims, bf16/fp16/fp32 input and weight; output and gradient dtypes are
+    nn.Linear's. The bias is added in high precision after the GEMM.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, config=None):
@@ -51,8 +50,7 @@ class Float8Linear(nn.Linear):
             raise TypeError(f"Float8Linear.from_float needs an nn.Linear, got {type(mod).__name__}")
         with torch.device("meta"):  # no allocation: the parameters are replaced just below
             new = cls(mod.in_features, mod.out_features, bias=False, config=config)
-        new.weight = mod.weight
-        new.bias = mod.bias
+        new.weight, new.bias = mod.weight, mod.bias
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -60,10 +58,9 @@ class Float8Linear(nn.Linear):
             got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
             raise TypeError(f"fp8_impl: Float8Linear needs a floating-point input tensor, got {got}")
         if input.dim() < 2:
-            raise ValueError(
-                f"fp8_impl: Float8Linear needs input with at least 2 dims [*, K] (M = product of the leading "
-                f"dims must be divisible by 16), got shape {tuple(input.shape)}; use input.unsqueeze(0) and a "
-                f"batch of 16")
+            raise ValueError(f"fp8_impl: Float8Linear needs input with at least 2 dims [*, K] (M = product of the "
+                             f"leading dims must be divisible by 16), got shape {tuple(input.shape)}; use "
+                             f"input.unsqueeze(0) and a batch of 16")
         if torch.is_autocast_enabled(input.device.type):  # mirror F.linear under autocast
             input = input.to(torch.get_autocast_dtype(input.device.type))
         lead_shape = input.shape[:-1]
@@ -80,17 +77,14 @@ class Float8Linear(nn.Linear):
 
 
 def convert_to_float8_training(
-    module: nn.Module,
-    *,
-    module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
-    config: Optional[Float8LinearConfig] = None,
-) -> nn.Module:
+        module: nn.Module, *, module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+        config: Optional[Float8LinearConfig] = None) -> nn.Module:
     """Swap every nn.Linear in `module` (in place) for a Float8Linear sharing its parameters.
 
     module_filter_fn(mod, fqn) -> bool chooses which layers to convert. A root nn.Linear is
     returned converted (not changed in place), as in torchao. Layers whose features are not
-    divisible by the recipe's alignment (16; 128 for blockwise) raise a clear error naming the
-    layer: filter them out.
+    divisible by the recipe's alignment (16; 32 for MX; 128 for blockwise) raise a clear error
+    naming the layer: filter them out.
     """
     config = config if config is not None else Float8LinearConfig()
 

@@ -2,80 +2,54 @@
 
 How FP8 training of a linear layer works
 ----------------------------------------
-A linear layer does three matrix multiplications (GEMMs) per training step:
+A linear layer does three matrix multiplications (GEMMs) per training step (M tokens, the product of the
+input's leading dims; K = in_features; N = out_features):
 
     forward      output      = input       @ weight.T      [M,K] x [K,N] -> [M,N]
     backward     grad_input  = grad_output @ weight        [M,N] x [N,K] -> [M,K]
                  grad_weight = grad_output.T @ input       [N,M] x [M,K] -> [N,K]
 
-(M is the number of tokens, the product of the input's leading dims; K = in_features;
-N = out_features.) FP8 training runs each GEMM with FP8 operands on the tensor cores,
-about twice the bf16 rate, and keeps the result in high precision.
+Each runs with FP8 operands on the tensor cores (about twice the bf16 rate) and keeps its result in high
+precision. FP8 has little range (e4m3fn: max 448, 3 mantissa bits; e5m2: max 57344, 2 bits), so each operand
+is first scaled into it from its own amax ("dynamic" scaling), the largest element of each group to fp8_max:
 
-FP8 has very little range (e4m3fn: max 448, 3 mantissa bits; e5m2: max 57344, 2 mantissa
-bits), so each operand is *scaled* into that range first, from its own amax ("dynamic"):
-
-    amax  = max |x| over the elements sharing a scale          (exact: a max does not round)
-    scale = fp8_max / max(amax, 1e-12)   (divided in float64, stored as float32; the floor
-                                          makes an all-zero tensor, row or tile give zeros)
+    scale = fp8_max / max(amax, 1e-12)   (amax = max |x| over the group: exact; divided in float64, stored
+                                          as float32; the floor quantizes an all-zero group to zeros)
     x_fp8 = saturate(x.float() * scale) -> fp8         (round to nearest even, clamp to +-max)
 
-so the largest element of each group lands on fp8_max. The GEMM gets the *inverse* scales
-and undoes them in high precision: `torch._scaled_mm(a_fp8, b_fp8, 1/scale_a, 1/scale_b)`.
+The GEMM takes the *inverse* scales and undoes them in high precision: `torch._scaled_mm(a_fp8, b_fp8,
+1/scale_a, 1/scale_b)`. Finer scales run along the GEMM's inner (contraction) dim: a scale constant over a
+dot product, or over one block of it, factors out of that sum and is applied once per partial sum.
 
-The recipes (config.py), which differ in how many elements share a scale
-----------------------------------------------------------------------
-tensorwise          One scale per tensor. input and weight in e4m3 (precision matters most),
-                    grad_output in e5m2 (gradients span a wide range, and one scale must cover
-                    all of it). Fast accumulation in the forward GEMM only. The cast does not
-                    depend on the GEMM, so the FP8 tensors are saved for backward: half the
-                    activation memory of bf16 and no second cast.
-rowwise             One scale per row of A and per column of B, the amax taken along the
-                    GEMM's inner dim, so one large row no longer crushes the others. With a
-                    scale per row the range each scale must cover is narrow, so gradients take
-                    e4m3 too: one more mantissa bit. Scales are rounded *down* to a power of two:
-                    multiplying by 2^k is exact (no rounding in scaling or unscaling) and rounding
-                    down keeps the row's amax at or below fp8_max (it costs < 1 bit of range).
-                    The inner dim differs per GEMM (K, N, then M for grad_weight), so each GEMM
-                    re-quantizes from the high-precision tensors, which are what is saved.
-                    As torchao does: a GEMM without fast accumulation runs the tensorwise
-                    kernel with unit scales and multiplies the row and column scales in
-                    afterwards (exact for powers of two); axiswise GEMMs write bf16 and cast to
-                    fp16/fp32 (the CUTLASS rowwise kernel torch uses below cuBLAS 12.9 writes
-                    bf16 only).
-rowwise_with_gw_hp  rowwise for output; grad_input with a tensorwise weight; grad_weight in
-                    high precision (the GEMM that sums over all tokens is the most sensitive).
-blockwise           DeepSeek-V3's recipe: activations and gradients get one scale per 1x128
-                    tile along the inner dim, weights one per 128x128 block, e4m3 everywhere.
-                    An outlier spoils only its own tile; the GEMM accumulates each 128-long
-                    block on the tensor cores and adds the scaled partial sums in fp32. A weight
-                    block is the same block in output (as W.T) and grad_input (as W); grad_weight
-                    re-tiles input and grad_output along M (128x1 tiles of B). cuBLASLt wants the
-                    1x128 scales of an operand [rows, K] as a [rows, K/128] tensor stored
-                    column-major (rows adjacent) and 128x128 scales as [K/128, N/128] K-major;
-                    every dim (M too: grad_weight's inner dim) a multiple of 128. The GEMMs write
-                    bf16 (torchao's blockwise layer is bf16-only), cast to fp32 for fp32 input. Block scaling
-                    runs on SM90 through torch.nn.functional.scaled_mm; a CPU has no block-scaled
-                    GEMM, so there the same FP8 operands and scales are multiplied by an
-                    emulation: per 128-block products summed in fp32, scaled, summed in fp32.
-mxfp8               Blackwell's microscaling (OCP MX): every operand of every GEMM gets one
-                    power-of-two scale per 32 elements along that GEMM's inner dim, stored as an
-                    E8M0 byte (e + 127; 0xFF is NaN), e4m3 elements. The scale 2^e is the smallest
-                    power of two with 2^e >= amax / 448 (RCEIL, cuBLAS's cast: nothing saturates);
-                    mxfp8_floor takes OCP MX v1.0's 2^(floor(log2 amax) - 8), whose largest elements
-                    may saturate. Power-of-two scales make scaling exact; a NaN (or Inf) makes its
-                    block's scale NaN. SM100's GEMM takes the scales "swizzled" into 128x4 tiles.
-                    Where torch has no block-scaled GEMM (a CPU, a GPU before SM100) the GEMM is the
-                    emulated one: the operands decoded (exact in fp32), multiplied in fp32.
+The recipes (config.py): how many elements share a scale
+---------------------------------------------------------
+tensorwise: one scale per tensor; input and weight in e4m3 (precision matters most), grad_output in e5m2
+    (gradients span a wide range, all under one scale); fast accumulation in the forward GEMM only. The cast
+    is the same for every GEMM, so the FP8 tensors are saved for backward (half bf16's activation memory).
+rowwise: one scale per row of A and per column of B, so a large row no longer crushes the others, and each
+    scale covers a range narrow enough for e4m3 gradients (one more mantissa bit). Scales are rounded *down*
+    to a power of two: scaling by 2^k is exact, and rounding down keeps each amax within fp8_max (< 1 bit of
+    range lost). The inner dim differs per GEMM (K, N, then M), so each GEMM re-quantizes the saved
+    high-precision tensors.
+rowwise_with_gw_hp: rowwise for output; grad_input with a tensorwise weight; grad_weight in high precision
+    (the GEMM that sums over all tokens is the most sensitive).
+blockwise: DeepSeek-V3's, e4m3 everywhere: a scale per 1x128 tile along the inner dim for activations and
+    gradients (grad_weight re-tiles them along M), per 128x128 block for weights (a block serves as W.T in
+    output and as W in grad_input), so an outlier spoils only its own tile; the GEMM scales each block's
+    partial sum and adds them in fp32. cuBLASLt takes tile scales [rows, K/128] column-major, block scales
+    [K/128, N/128] K-major, every dim (M too) a multiple of 128. SM90 runs it, a CPU emulates it.
+mxfp8: Blackwell's microscaling (OCP MX), e4m3: a scale per 32 elements along every GEMM's inner dim, a power
+    of two stored as an E8M0 byte (e + 127; 0xFF is NaN, the scale of a block holding a NaN or Inf). 2^e is
+    the smallest power of two >= amax / 448 (RCEIL, cuBLAS's cast: nothing saturates); mxfp8_floor takes OCP
+    MX v1.0's 2^(floor(log2 amax) - 8), which may saturate. SM100's GEMM takes the scales "swizzled" into
+    128x4 tiles; elsewhere (a CPU, a GPU before SM100) the operands are decoded exactly and multiplied in fp32.
 
 Why each operand has the layout it has
 --------------------------------------
-On Hopper (SM90) cuBLASLt runs FP8 GEMMs only as "TN": A row-major and B column-major,
-dimensions divisible by 16 (strides too). A transpose of a row-major [R,C] tensor is a
-column-major [C,R] view for free, so each operand is quantized in its "inner dim last"
-orientation (A as [rows, inner], B as B.T = [cols, inner]) and B is handed over as a
-transposed view. Inputs with other strides (a transposed or sliced activation) are copied
-only when the GEMM needs a different layout.
+On Hopper (SM90) cuBLASLt runs FP8 GEMMs only as "TN": A row-major, B column-major, every dim and stride
+divisible by 16. A row-major [R,C] tensor's transpose is a column-major [C,R] view for free, so each operand
+is quantized "inner dim last" (A as [rows, inner], B as B.T = [cols, inner]) and B handed over transposed;
+inputs with other strides (a transposed or sliced activation) are copied only where the GEMM needs it.
 """
 
 from __future__ import annotations
@@ -101,11 +75,8 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, *, pow2: bool = Fa
 
 
 def to_float8(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tensorwise dynamic scaling of `x`: returns (x_fp8, inverse_scale), x ~ x_fp8 * inverse_scale.
-
-    Two passes over x (torchao's eager path makes six): one reduction for amax, and one
-    multiply that upcasts, scales and rounds to fp8 on store.
-    """
+    """Tensorwise dynamic scaling of `x`: returns (x_fp8, inverse_scale), x ~ x_fp8 * inverse_scale. Two passes
+    over x (torchao's eager path makes six): an amax reduction, and a multiply that upcasts, scales and rounds."""
     amax = torch.linalg.vector_norm(x, ord=math.inf)  # max |x| in one pass, no |x| temporary; exact
     scale = amax_to_scale(amax, fp8_dtype)
     # The scale as a 1-element (not 0-dim) tensor makes the product float32: bf16 * 0-dim fp32
@@ -117,11 +88,9 @@ def to_float8(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 
 def quantize(x: torch.Tensor, cast: CastConfig, *, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale `x` [rows, inner] (an operand, inner dim last) to fp8 at the cast's granularity.
-
-    Returns (x_fp8 row-major, inverse scales [rows/r, inner/i] for tiles of r x i elements:
-    [1, 1] tensorwise, [rows, 1] axiswise, [rows, inner/128] 1x128, [rows/128, inner/128] 128x128).
-    """
+    """Scale `x` [rows, inner] (an operand, inner dim last) to fp8 at the cast's granularity: (x_fp8 row-major,
+    inverse scales [rows/r, inner/i] for r x i tiles: [1, 1] tensorwise, [rows, 1] axiswise, [rows, inner/128]
+    1x128, [rows/128, inner/128] 128x128)."""
     rows, inner = x.shape
     r, i = {Scaling.TENSORWISE: (rows, inner), Scaling.AXISWISE: (1, inner),
             Scaling.BLOCK_1X128: (1, BLOCK), Scaling.BLOCK_128X128: (BLOCK, BLOCK)}[cast.scaling]
@@ -161,31 +130,28 @@ def to_mxfp8(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.
     e = torch.where(ratio > 0, e, -127).clamp(-127, 127).float()
     e = torch.where(amax.isfinite(), e, float("nan"))  # NaN or Inf in a block: its scale is NaN
     x_fp8 = (blocks * torch.exp2(-e)[..., None]).clamp(-448.0, 448.0).to(E4M3)
-    return x_fp8.reshape(rows, inner).contiguous(), torch.where(e.isnan(), 255.0, e + 127).to(torch.uint8).view(
-        torch.float8_e8m0fnu)
+    e8m0 = torch.where(e.isnan(), 255.0, e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)  # the byte e + 127
+    return x_fp8.reshape(rows, inner).contiguous(), e8m0
 
 
 def _swizzled(scales: torch.Tensor) -> torch.Tensor:
     """Scales [rows, n] as SM100 takes them: zero-padded to 128x4 tiles, the tile's (r, c) at byte
     (r % 32) * 16 + (r // 32) * 4 + c, tiles row by row (cuBLAS's block scaling factor layout)."""
-    rows, n = scales.shape
-    padded = scales.view(torch.uint8).new_zeros(-(-rows // 128) * 128, -(-n // 4) * 4)
-    padded[:rows, :n] = scales.view(torch.uint8)
-    tiles = padded.reshape(padded.shape[0] // 128, 4, 32, padded.shape[1] // 4, 4).permute(0, 3, 2, 1, 4)
+    padded = F.pad(scales.view(torch.uint8), (0, -scales.shape[1] % 4, 0, -scales.shape[0] % 128))
+    tiles = padded.reshape(-1, 4, 32, padded.shape[1] // 4, 4).permute(0, 3, 2, 1, 4)
     return tiles.reshape(-1).view(torch.float8_e8m0fnu)
 
 
 def _mx_gemm(a, scale_a, b, scale_b, out_dtype):
     """An MXFP8 GEMM: SM100's kernel through F.scaled_mm where torch has one; elsewhere the emulated GEMM
     (decoded operands, exact in fp32, multiplied in fp32, rounded once). scale_b: [C, I/32]."""
-    sm100 = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (10, 0)
-    if sm100 or not a.is_cuda:
+    if not a.is_cuda or torch.cuda.get_device_capability(a.device) >= (10, 0):
         try:  # a CPU's torch refuses it ("CPU does not support swizzle"), unless a harness serves the call
             return F.scaled_mm(a, b, _swizzled(scale_a), F.ScalingType.BlockWise1x32, _swizzled(scale_b),
                                F.ScalingType.BlockWise1x32, swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
                                swizzle_b=F.SwizzleType.SWIZZLE_32_4_4, output_dtype=out_dtype)
         except ValueError:
-            if sm100:
+            if a.is_cuda:  # SM100 refused it: the error is the caller's to see
                 raise
 
     def decoded(x, scale):  # [R, I] row-major with [R, I/32] scales
@@ -203,25 +169,22 @@ def _gemm(a, scale_a, b, scale_b, gemm: GemmConfig, out_dtype: torch.dtype) -> t
         return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
                                 out_dtype=out_dtype, use_fast_accum=gemm.fast_accum)
     if Scaling.AXISWISE in kinds:  # a tensorwise partner becomes a row (column) of equal scales
-        wide = torch.bfloat16  # torchao (and SM90's CUTLASS rowwise kernel) write bf16: cast afterwards
+        # torchao writes bf16 (so does the CUTLASS rowwise kernel torch uses below cuBLAS 12.9): cast afterwards
         scale_a, scale_b = scale_a.expand(a.shape[0], 1), scale_b.expand(1, b.shape[1])
         if gemm.fast_accum:
             return torch._scaled_mm(a, b, scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(),
-                                    out_dtype=wide, use_fast_accum=True).to(out_dtype)
+                                    out_dtype=torch.bfloat16, use_fast_accum=True).to(out_dtype)
         # torchao: the rowwise kernel is slow without fast accumulation, so the tensorwise kernel
         # runs with unit scales and the (power-of-two) scales are multiplied in afterwards.
         one = scale_a.new_ones(())
-        output = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=wide, use_fast_accum=False)
-        output *= scale_a * scale_b
-        return output.to(out_dtype)
+        output = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False)
+        return output.mul_(scale_a * scale_b).to(out_dtype)  # scaled in bf16, as torchao does
     tiles_b = gemm.b.scaling is Scaling.BLOCK_1X128
     if a.device.type != "cuda":
         per_k = scale_b.t() if tiles_b else scale_b.repeat_interleave(BLOCK, dim=1)
         return _blocks_emulated(a, scale_a, b, per_k, torch.bfloat16).to(out_dtype)
     if not tiles_b and scale_b.shape[0] % 4:  # cuBLASLt: K/128 padded to a multiple of 4 (16-byte columns)
-        padded = scale_b.new_ones(scale_b.shape[1], -(-scale_b.shape[0] // 4) * 4).t()
-        padded[: scale_b.shape[0]] = scale_b
-        scale_b = padded
+        scale_b = F.pad(scale_b.t(), (0, -scale_b.shape[0] % 4), value=1.0).t()  # padded with ones, column-major
     recipe_b = F.ScalingType.BlockWise1x128 if tiles_b else F.ScalingType.BlockWise128x128
     return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b,
                        output_dtype=torch.bfloat16).to(out_dtype)  # bf16, as torchao's blockwise writes
@@ -239,13 +202,24 @@ def _cast_for_gemm(x: torch.Tensor, cast: CastConfig, pow2: bool, rule: str = "r
     return x_fp8, inverse
 
 
-def _run_gemm(a_hp, b_hp_t, gemm: GemmConfig, config: Float8LinearConfig, out_dtype, cached=(None, None)):
-    """One GEMM a @ b from high-precision A [R, I] and B.T [C, I] (or their cached tensorwise casts)."""
+def _cast_once(x: torch.Tensor, first: CastConfig, second: CastConfig, config: Float8LinearConfig):
+    """x's cast, made once, where two GEMMs take the same tensorwise cast (it does not depend on the GEMM); else x."""
+    shared = first == second and first.scaling is Scaling.TENSORWISE
+    return _cast_for_gemm(x, first, config.round_scales_to_power_of_2) if shared else x
+
+
+def _t(operand):
+    """The transpose of an operand: a high-precision tensor, or a kept tensorwise cast (whose one scale stays)."""
+    return (operand[0].t(), operand[1]) if isinstance(operand, tuple) else operand.t()
+
+
+def _run_gemm(a, b_t, gemm: GemmConfig, config: Float8LinearConfig, out_dtype):
+    """One GEMM a @ b from A [R, I] and B.T [C, I], each high precision or an (x_fp8, inverse scale) cast."""
     if gemm.a.scaling is Scaling.DISABLED:
-        return a_hp @ b_hp_t.t()
+        return a @ b_t.t()
     pow2, rule = config.round_scales_to_power_of_2, config.mx_rule
-    a_fp8, scale_a = cached[0] or _cast_for_gemm(a_hp, gemm.a, pow2, rule)
-    bt_fp8, scale_bt = cached[1] or _cast_for_gemm(b_hp_t, gemm.b, pow2, rule)
+    a_fp8, scale_a = a if isinstance(a, tuple) else _cast_for_gemm(a, gemm.a, pow2, rule)
+    bt_fp8, scale_bt = b_t if isinstance(b_t, tuple) else _cast_for_gemm(b_t, gemm.b, pow2, rule)
     scale_b = scale_bt if gemm.b.scaling in (Scaling.BLOCK_1X128, Scaling.MX_1X32) else scale_bt.t()
     return _gemm(_row_major(a_fp8), scale_a, _col_major(bt_fp8.t()), scale_b, gemm, out_dtype)
 
@@ -254,44 +228,32 @@ def _run_gemm(a_hp, b_hp_t, gemm: GemmConfig, config: Float8LinearConfig, out_dt
 class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_2d, weight, config: Float8LinearConfig):
-        # Tensorwise casts are the same for every GEMM: cast once, save the FP8 tensors.
-        keep_input = config.output.a == config.grad_weight.b and config.output.a.scaling is Scaling.TENSORWISE
-        keep_weight = config.output.b == config.grad_input.b and config.output.b.scaling is Scaling.TENSORWISE
-        pow2 = config.round_scales_to_power_of_2
-        input_cast = _cast_for_gemm(input_2d, config.output.a, pow2) if keep_input else None
-        weight_cast = _cast_for_gemm(weight, config.output.b, pow2) if keep_weight else None
+        # A cast made once is saved for backward in place of the high-precision tensor (half bf16's memory).
+        input_op = _cast_once(input_2d, config.output.a, config.grad_weight.b, config)
+        weight_op = _cast_once(weight, config.output.b, config.grad_input.b, config)
 
         # ---- GEMM 1: output = input @ weight.T ------------  [M,K] x [K,N] -> [M,N]
-        output = _run_gemm(input_2d, weight, config.output, config, input_2d.dtype, (input_cast, weight_cast))
-        ctx.save_for_backward(*(input_cast or (input_2d,)), *(weight_cast or (weight,)))
-        ctx.config, ctx.kept, ctx.weight_dtype = config, (keep_input, keep_weight), weight.dtype
+        output = _run_gemm(input_op, weight_op, config.output, config, input_2d.dtype)
+        ctx.kept = [isinstance(op, tuple) for op in (input_op, weight_op)]
+        ctx.save_for_backward(*[t for op in (input_op, weight_op) for t in (op if isinstance(op, tuple) else (op,))])
+        ctx.config, ctx.weight_dtype = config, weight.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        config, (keep_input, keep_weight) = ctx.config, ctx.kept
-        saved = list(ctx.saved_tensors)
-        input_cast = (saved.pop(0), saved.pop(0)) if keep_input else None
-        input_2d = None if keep_input else saved.pop(0)
-        weight_cast = tuple(saved) if keep_weight else None
-        weight = None if keep_weight else saved[0]
-        # grad_output is cast once when both backward GEMMs take the same tensorwise cast.
-        go_cast = _cast_for_gemm(grad_output, config.grad_input.a, config.round_scales_to_power_of_2) \
-            if config.grad_input.a == config.grad_weight.a and config.grad_input.a.scaling is Scaling.TENSORWISE \
-            else None
+        config, saved, n_input = ctx.config, ctx.saved_tensors, 1 + ctx.kept[0]
+        input_op = saved[:n_input] if ctx.kept[0] else saved[0]
+        weight_op = saved[n_input:] if ctx.kept[1] else saved[n_input]
+        go_op = _cast_once(grad_output, config.grad_input.a, config.grad_weight.a, config)
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
             # ---- GEMM 2: grad_input = grad_output @ weight ----  [M,N] x [N,K] -> [M,K]
-            weight_t_cast = None if weight_cast is None else (weight_cast[0].t(), weight_cast[1])
-            grad_input = _run_gemm(grad_output, None if keep_weight else weight.t(), config.grad_input, config,
-                                   grad_output.dtype, (go_cast, weight_t_cast))
+            grad_input = _run_gemm(go_op, _t(weight_op), config.grad_input, config, grad_output.dtype)
         if ctx.needs_input_grad[1]:
             # ---- GEMM 3: grad_weight = grad_output.T @ input --  [N,M] x [M,K] -> [N,K]
             # Computed in grad_output's dtype, then cast to the weight's (as torchao does).
-            go_t_cast = None if go_cast is None else (go_cast[0].t(), go_cast[1])
-            input_t_cast = None if input_cast is None else (input_cast[0].t(), input_cast[1])
-            grad_weight = _run_gemm(grad_output.t(), None if keep_input else input_2d.t(), config.grad_weight,
-                                    config, grad_output.dtype, (go_t_cast, input_t_cast)).to(ctx.weight_dtype)
+            grad_weight = _run_gemm(_t(go_op), _t(input_op), config.grad_weight, config, grad_output.dtype)
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_input, grad_weight, None
 
 
@@ -308,9 +270,8 @@ def check_float8_operands(input_2d: torch.Tensor, weight: torch.Tensor, *, lead_
     if weight.dim() != 2:
         raise ValueError(f"fp8_impl: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     if input_2d.dim() != 2:
-        raise ValueError(
-            f"fp8_impl: float8_matmul needs a 2-D input [M, K], got shape {tuple(input_2d.shape)}; "
-            f"reshape N-D input with input.reshape(-1, K) or use fp8_impl.Float8Linear")
+        raise ValueError(f"fp8_impl: float8_matmul needs a 2-D input [M, K], got shape {tuple(input_2d.shape)}; "
+                         f"reshape N-D input with input.reshape(-1, K) or use fp8_impl.Float8Linear")
     (M, K), (N, K_weight) = input_2d.shape, weight.shape
     if K != K_weight:
         raise ValueError(f"fp8_impl: input has K={K} features but weight expects {K_weight} "
@@ -320,26 +281,20 @@ def check_float8_operands(input_2d: torch.Tensor, weight: torch.Tensor, *, lead_
     why = {BLOCK: "block scales tile every GEMM dimension by 128", 32: "MX scales take whole blocks of 32 along "
            "every GEMM's inner dim"}.get(align, "torch._scaled_mm needs every GEMM dimension divisible by 16")
     for dim, value, role, fix in (
-        ("M", M, f"tokens{lead}; the inner dim of grad_weight = grad_output.T @ input",
-         "pad the batch or sequence"),
+        ("M", M, f"tokens{lead}; the inner dim of grad_weight = grad_output.T @ input", "pad the batch or sequence"),
         ("K", K, "in_features; the inner dim of output = input @ weight.T", "pad in_features"),
-        ("N", N, "out_features; the inner dim of grad_input = grad_output @ weight", "pad out_features"),
-    ):
+        ("N", N, "out_features; the inner dim of grad_input = grad_output @ weight", "pad out_features")):
         if value % align:
-            padded = -(-value // align) * align
             raise ValueError(
-                f"fp8_impl: {dim} = {value} is not divisible by {align} ({dim} = {role}); the "
-                f"{config.recipe.value} recipe needs it ({why}). Fix: {fix} to {padded}, or keep this layer in "
+                f"fp8_impl: {dim} = {value} is not divisible by {align} ({dim} = {role}); the {config.recipe.value} "
+                f"recipe needs it ({why}). Fix: {fix} to {-(-value // align) * align}, or keep this layer in "
                 f"high precision with convert_to_float8_training(model, module_filter_fn=...)")
 
 
 def float8_matmul(input_2d: torch.Tensor, weight: torch.Tensor, *, config=None) -> torch.Tensor:
-    """Differentiable FP8 drop-in for `input_2d @ weight.T`.
-
-    input_2d: [M, K] bf16/fp16/fp32; weight: [N, K] bf16/fp16/fp32. Returns [M, N] in
-    input_2d's dtype; gradients come back in the dtypes of input_2d and weight.
-    `config` is an fp8_impl.Float8LinearConfig (default: torchao's tensorwise recipe).
-    """
+    """Differentiable FP8 drop-in for `input_2d @ weight.T`: input_2d [M, K] and weight [N, K] bf16/fp16/fp32,
+    the result [M, N] in input_2d's dtype, the gradients in the dtypes of input_2d and weight. `config` is a
+    Float8LinearConfig (default: torchao's tensorwise recipe)."""
     config = config or Float8LinearConfig()
     check_float8_operands(input_2d, weight, config=config)
     return _Float8Matmul.apply(input_2d, weight, config)
