@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from parity.impls import Impl, convert_linears, linear_names, load_impl, reload_impl
+from parity.impls import Impl, convert_linears, linear_names, load_impl, reload_here
 from parity.metrics import sqnr_db
 from parity.names import DISTRIBUTED_MODES
 from parity.sharding import share_host_threads
@@ -289,7 +289,7 @@ def _worker(rank: int, launch: _Launch, messages, progress) -> None:
                                 timeout=timedelta(seconds=launch.timeout_s))
         for run_index, (mode, impl_args) in enumerate(launch.runs):
             progress[rank] = run_index
-            result = train(launch.spec, mode, reload_impl(*impl_args), device=device, rank=rank,
+            result = train(launch.spec, mode, reload_here(*impl_args), device=device, rank=rank,
                            world_size=launch.world_size)
             if rank == 0:
                 path = Path(launch.out_dir, f"run{run_index}.pt")

@@ -107,3 +107,11 @@ def clear_stops() -> None:
 def interrupted_by(err: KeyboardInterrupt) -> signal.Signals:
     """The signal that stopped a command: SIGTERM (Terminated) or SIGINT (a Ctrl-C)."""
     return signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
+
+
+def handled_stop(err: KeyboardInterrupt) -> signal.Signals:
+    """interrupted_by, for a command that answers the stop itself (train's INCOMPLETE report, exit 4 or 1):
+    the recorded signal is consumed, so cli.main does not void that answer. A stop whose exception was lost
+    never reaches such a handler, and stays recorded."""
+    clear_stops()
+    return interrupted_by(err)

@@ -632,6 +632,13 @@ def load_impl(spec: str, *, form: Form | str | None = None, recipe: str | Recipe
     return impl
 
 
+def reload_here(name: str, form: str, recipe: str, reciprocal_scales: bool = False) -> Impl:
+    """reload_impl imported in THIS process: for a process that runs code under test and is not a
+    parity.worker (a rank of check --distributed)."""
+    impl = load_here(name, form=form, recipe=None if name in BUILTINS else get_recipe(recipe))
+    return with_reciprocal_scales(impl) if reciprocal_scales else impl
+
+
 def load_here(spec: str, *, form: Form | str | None = None, recipe: Recipe | None = None) -> Impl:
     """The implementation named by `spec` imported in THIS process, as a worker imports it (FP8_PARITY_IMPL_PATH
     applied): for workers, and for tests of loading itself; never in a process that judges code under test."""

@@ -97,7 +97,7 @@ import torch
 from parity import train_worker
 from parity.data import write_case_file
 from parity.env import environment
-from parity.exits import interrupted_by
+from parity.exits import handled_stop
 from parity.impls import ImplError, default_reference, load_impl
 from parity.model import GPTConfig, MarkovSource, ModelError, TokenFile, UserModelShape, batches
 from parity.policy import Policy, default_policy
@@ -187,6 +187,7 @@ class _Lockstep:
     state_changes: list[str] = field(default_factory=list)
     interrupted: str | None = None
     first_call: tuple[str, dict] | None = None  # the first layer's operands at its first call (parity.train_calls)
+    first_call_sought: bool = False
 
     def call(self, run: _RemoteRun, fn: Callable, *args, at: str, time_limit: float | None = None,
              **kwargs) -> dict | None:
@@ -311,8 +312,9 @@ class _Lockstep:
     def _keep_first_call(self, order: list[str]) -> bool:
         """The candidate's first layer's operands at its first call (where no divergence is known yet), for
         check's comparisons at the end (parity.train_calls); False when the run died sending them."""
-        if self.first_call is not None or self.divergence is not None or not self.runs[0].impl.recipe.is_fp8:
+        if self.first_call_sought or self.divergence is not None or not self.runs[0].impl.recipe.is_fp8:
             return True
+        self.first_call_sought = True  # once: the first micro-batch
         for name in order:
             tensors = self.call(self.runs[0], train_worker.call_tensors, name, at=f"sending {name}'s tensors")
             if tensors is None:
@@ -468,7 +470,7 @@ def run_training(plan: TrainPlan, *, out_dir: str | Path | None = None,
                 if progress is not None:
                     progress(step + 1, plan.steps)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the worker in a call is killed already
-        lockstep.interrupted = interrupted_by(err).name
+        lockstep.interrupted = handled_stop(err).name
     finally:
         for run in runs:
             run.worker.close()

@@ -25,8 +25,9 @@ from matplotlib.image import imread
 from parity.cases import Case
 from parity.impls import load_impl
 from parity.report import verdict, write_report
-from parity.runner import run_cases
+from parity.runner import executing_in, run_cases
 from parity.sweep import sweep_comparisons
+from parity.worker import Worker
 
 CHROMIUM = Path("/usr/bin/chromium")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -69,7 +70,12 @@ def report(request, tmp_path_factory):
     candidate = CANDIDATES[request.param]
     cases = [Case(lead=(2, 16), K=32, N=48, input_layout="T", weight_dtype="fp32"),
              Case(lead=(16,), K=32, N=16, bias=True, dist="tiny_amax")]
-    results = run_cases(cases, sweep_comparisons([load_impl(candidate), load_impl("bf16")], "cpu"))
+    runner = Worker("cpu")  # the failing candidate is code under test: it runs in a worker, as a sweep runs it
+    try:
+        with executing_in(runner, 600.0):
+            results = run_cases(cases, sweep_comparisons([load_impl(candidate), load_impl("bf16")], "cpu"))
+    finally:
+        runner.close()
     out = tmp_path_factory.mktemp(request.param.lower())
     judged = verdict(results, candidate=candidate)
     assert judged.headline.startswith(request.param)

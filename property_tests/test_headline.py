@@ -81,7 +81,6 @@ def suite_finding(impl: str, test: str) -> str:
     """The first line of the pytest plugin's failure (PropertyFailure.finding) of the shipped suite's
     parity (`test` "parity": its plan without the oracle, diagnosed again) or accuracy property, on CASE."""
     suite = Suite(impl_spec=impl, device="cpu", case_id=CASE.id)
-    suite.__dict__["runner"] = None  # in this process: the worker's start costs more than the case
     if test == "parity":
         plan = CheckPlan.make(suite.candidate, suite.reference, oracle=False)
     else:

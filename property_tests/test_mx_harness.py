@@ -18,6 +18,9 @@ from parity.recipes import RECIPES
 from parity.runner import execute
 from parity.vocabulary import BugClass, Detail
 
+# the zoo's implementations are code under test: each execution runs in a worker (conftest.py)
+pytestmark = pytest.mark.usefixtures("code_under_test_in_a_worker")
+
 ZOO = "evals/zoo/mx_mutants.py"
 SWIZZLE, NO_SWIZZLE = F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE
 MX32, NV16, TENSOR = F.ScalingType.BlockWise1x32, F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise

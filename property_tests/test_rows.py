@@ -71,7 +71,7 @@ def test_a_committed_reference_table_still_reads():
                                              "distributions")
 
 
-def test_errors_are_typed_in_memory_and_text_in_the_table():
+def test_errors_are_typed_in_memory_and_text_in_the_table(code_under_test_in_a_worker):
     case = Case(lead=(16,), K=16, N=16)
     rows = run_case(case.replace(input_dtype="fp32"), all_pairs(
         [load_impl("evals.zoo.mutants:crash_on_fp32_input")], [load_impl("fp64")]))
