@@ -441,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sys.unraisablehook = previous_hook
+        clear_stops()  # its exit code said it; a later run in this process (a test's) starts unstopped
 
 
 if __name__ == "__main__":

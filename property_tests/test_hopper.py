@@ -472,7 +472,7 @@ def test_a_gemms_bits_are_not_claimed_where_no_known_kernel_computed_them(monkey
 
 
 def test_through_the_model_a_rounding_that_reproduces_every_bit_wins_over_a_bias_that_comes_near(
-        cpu_gemm_hopper, tmp_path):
+        cpu_gemm_hopper, tmp_path, code_under_test_in_a_worker):
     """--cpu-gemm hopper: the output rounded through bf16 before the bias (fp32 input, K = 1024). Against the
     float64 result "the bias added twice" comes within MATCH_DB first (the space tries it before a second
     rounding); through the Hopper model, which computed the call, the rounding reproduces every bit."""
