@@ -31,7 +31,17 @@ from pathlib import Path
 from evals.scoring import sets
 
 
+# Sets 16 and 17 (MX, written in another vocabulary): their tokens with a harness equivalent, fixed before
+# their first run. "data:zero block" / "data:zero grad_output": an all-zero MX block, which the harness's
+# zero-rows (or all-zero) data holds; "dtype:float32": the weight's dtype (s16_b27); "K != N": the harness's
+# label. Tokens the harness has no condition for ("data:inf", "rows not multiple of 128", "M,K,N=256") stay
+# as written, so they count as not named.
+ALIASES = {"data:zero block": "data:zero_rows", "data:zero grad_output": "data:zero_rows",
+           "dtype:float32": "fp32 weight", "K != N": "only when K != N"}
+
+
 def trigger_found(token: str, triggers: list[str]) -> bool:
+    token = ALIASES.get(token, token)
     labels = {
         "non-contiguous input": "only with non-contiguous input", "non-contiguous weight":
         "only with non-contiguous weight", "non-contiguous grad_output": "only with non-contiguous grad_output",
