@@ -86,7 +86,7 @@ def _first_line(err: BaseException) -> str:
     except BaseException as inner:  # noqa: BLE001 - an exception whose __str__ raises is still a finding
         return f"<its message could not be read: str() raised {type(inner).__name__}>"
     line = text.split("\n", 1)[0] if text else ""
-    return line if len(line) <= MESSAGE_CHARS else f"{line[:MESSAGE_CHARS]}... ({len(text)} characters)"
+    return line if len(line) <= MESSAGE_CHARS else f"{line[:MESSAGE_CHARS]}... ({len(text)} characters in all)"
 
 
 @dataclass(frozen=True)
