@@ -76,7 +76,9 @@ def _raised(err: BaseException, phase: Phase, step: int | None) -> Raised:
     return Raised(phase, step, type(err).__name__, _first_line(err), at)
 
 
-MESSAGE_CHARS = 500  # an exception's first line, as far as a finding quotes it (a 50 MiB message is not echoed)
+# an exception's first line, as far as a finding quotes it: a 50 MiB message is not echoed, and the quote with
+# its finding's words stays within the line a command prints (exits.MESSAGE_CHARS, 600), which cuts no further
+MESSAGE_CHARS = 500
 
 
 def _first_line(err: BaseException) -> str:

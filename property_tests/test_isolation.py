@@ -50,7 +50,7 @@ WORKER_STATE_CASES: dict[str, Expect] = {
     "raises_base_exception": Expect(1, FAIL, CRASH + r"NotAnException: derived from BaseException"),
     "raises_unprintable": Expect(1, FAIL, CRASH + r"UnprintableError: <its message could not be read: str\(\) raised "
                                                   r"RuntimeError>"),
-    "raises_50_mib_message": Expect(1, FAIL, CRASH + r"ValueError: x{500}\.\.\. \(52428800 characters\)"),
+    "raises_50_mib_message": Expect(1, FAIL, CRASH + r"ValueError: x{500}\.\.\. \(52428800 characters in all\)"),
     "sets_default_device_meta": Expect(1, FAIL, STATE + r"default device cpu -> meta \(restored\)"),
     "sets_threads": Expect(1, FAIL, STATE + r"torch's host threads \d+ -> \d+ \(restored\)"),
     "sets_deterministic": Expect(1, FAIL, STATE + r"deterministic algorithms \(enabled, warn only\) \(False, False\) "
