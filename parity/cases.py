@@ -70,7 +70,8 @@ class Dist(str, enum.Enum):
     LARGE = "large"
     # normal input with one NaN: a microscaled cast keeps it in its block (the block's scale is NaN), as
     # float64 keeps it in its row of the output; a tensor or row scale spreads it over the whole tensor or
-    # row, by design. An edge case of the microscaled recipes only, never drawn by a search (DRAWN_DISTS)
+    # row, by design. An edge case of MXFP8's checks only (Recipe.nan_stays_in_its_block), never drawn by a
+    # search (DRAWN_DISTS)
     NAN = "nan"
 
 
@@ -275,13 +276,14 @@ def check_fits(case: Case, device: str) -> Case:
     return case
 
 
-def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT, microscaled: bool = False) -> tuple[Case, ...]:
+def edge_cases(*, seed: int = 0, alignment: int = ALIGNMENT, nan_case: bool = False) -> tuple[Case, ...]:
     """Cases every check runs first: the edges where FP8 code most often goes wrong (dims scaled
-    to the recipe's alignment: 16, or 128 for block scales; 32 for MXFP8 and NVFP4, whose checks
-    also run a NaN in the input: its block, and only its block, must come out NaN)."""
+    to the recipe's alignment: 16, or 128 for block scales; 32 for MXFP8 and NVFP4). With `nan_case`
+    (MXFP8's checks: Recipe.nan_stays_in_its_block) a NaN in the input too: its block, and only its
+    block, must come out NaN."""
     unit = alignment // ALIGNMENT
     base = Case(lead=(32 * unit,), K=64 * unit, N=48 * unit, seed=seed)
-    return (*((base.replace(dist=Dist.NAN),) if microscaled else ()),
+    return (*((base.replace(dist=Dist.NAN),) if nan_case else ()),
         base,
         base.replace(dist=Dist.ZEROS),
         base.replace(dist=Dist.NEAR_MAX),

@@ -285,7 +285,8 @@ class _Check:
         unable = plan.reference.unsupported(plainest, self.device_type)
         if unable and not explicit:  # before any work: a reference that takes not even this case takes none here
             return self.finish(Verdict.ERROR, error=f"the reference cannot run here: {unable}")
-        edges = edge_cases(seed=settings.seed, alignment=plan.alignment, microscaled=plan.candidate.recipe.microscaled)
+        edges = edge_cases(seed=settings.seed, alignment=plan.alignment,
+                           nan_case=plan.candidate.recipe.nan_stays_in_its_block)
         for case in (cases if explicit else edges):
             if self.violates(case):
                 return self.conclude(case if explicit else shrunk(case))

@@ -219,6 +219,14 @@ class Recipe:
         return any(cast.scaling.microscaled for gemm in self.gemms for cast in (gemm.a, gemm.b))
 
     @property
+    def nan_stays_in_its_block(self) -> bool:
+        """Whether a NaN in an operand must come out NaN in its own block only: MXFP8's rule (OCP MX: the block's
+        scale is NaN). Not NVFP4's: its per-tensor scale comes from the tensor's amax, and NVIDIA's description
+        says nothing of a NaN there (the oracle's NaN amax spreads it; an amax that skips it keeps it local)."""
+        return self.microscaled and not any(cast.scaling is Scaling.NV_1X16 for gemm in self.gemms
+                                            for cast in (gemm.a, gemm.b))
+
+    @property
     def alignment(self) -> int:
         """M, K and N must be multiples of this: 16 (cuBLASLt's FP8 GEMMs), 128 with block scales,
         1 for a high-precision reference."""
