@@ -372,8 +372,9 @@ def recipe_finding(findings: Sequence[StageFinding], calls: Sequence[ScaledMMCal
                 continue
         except (RuntimeError, ValueError, AttributeError):  # a call this recipe's oracle cannot take
             continue
-        category = next(cls for read, cls in _SPEC_DIFFERENCES for g in GEMMS
-                        if read(recipe.gemm(g)) != read(other.gemm(g)))
+        # recipes whose GEMMs are alike differ in how a scale is rounded (mxfp8 and mxfp8_floor): a scale
+        category = next((cls for read, cls in _SPEC_DIFFERENCES for g in GEMMS
+                         if read(recipe.gemm(g)) != read(other.gemm(g))), BugClass.SCALE)
         first = min(findings, key=lambda f: (f.step, GEMMS.index(f.gemm) if f.gemm in GEMMS else 9))
         return stage_finding(first.step, first.gemm, "call", "recipe",
                              f"every recorded call is exactly the {other.name} recipe's (fp8 formats, scales, values "

@@ -184,6 +184,7 @@ class _Check:
         self.cases_run, self.skipped = 0, {}
         self.outcomes: dict[str, tuple[list[Row], list[Violation], list[str]]] = {}
         self.ran: list[Case] = []
+        self.judged_cases: dict[str, Case] = {}  # every case judged (the search's, edge and layer-size cases), by id
         self.hung_on: Case | None = None  # the case the candidate ran past its time limit on
         self.first_failure: Case | None = None  # the first case that violated (what a flaky search falls back on)
 
@@ -202,6 +203,7 @@ class _Check:
         if self.settings.progress is not None:
             self.settings.progress(self.cases_run, self.max_examples)
         self.outcomes[case.id] = (rows, self.plan.judge(rows), self.plan.reference_errors(rows))
+        self.judged_cases[case.id] = case
         return self.outcomes[case.id]
 
     def finish(self, verdict: Verdict, violations=(), minimal=None, error=None) -> CheckResult:
@@ -256,11 +258,10 @@ class _Check:
         """A pass needs the same results twice: the first case that ran runs again, in the same
         process; any metric of the candidate that moved is a finding (randomness, or state kept
         from the calls before)."""
-        first = next((self.outcomes[c] for c in self.outcomes if c not in self.skipped), None)
+        first = next((case_id for case_id in self.outcomes if case_id not in self.skipped), None)
         if first is None:
             return self.finish(Verdict.PASS)
-        rows = first[0]
-        case = next(case for case in self.ran if case.id == rows[0].case_id)
+        rows, case = self.outcomes[first][0], self.judged_cases[first]
         again = {row.key: row for row in self.rows_of(case)}
         moved = [_moved(row, again.get(row.key)) for row in rows
                  if row.impl == self.plan.candidate.name and not row.skipped

@@ -214,3 +214,19 @@ def test_torch_scaled_mm_with_e8m0_scales_is_served_and_recorded_as_mxfp8():
     assert torch.equal(out, exact.to(torch.bfloat16))
     call = recorder.calls[0]
     assert call.scaling == ("BlockWise1x32", "BlockWise1x32") and sm90_problems(call) == []
+
+
+
+def test_calls_exactly_another_mx_recipes_are_told_so_where_only_the_scale_rule_differs():
+    """Held-out set 16's s16_b02 (after its first run): where an operand's difference was explained by no single
+    mistake and every call was exactly the mxfp8 (RCEIL) recipe's, the recipe an mxfp8_floor layer implements was
+    looked up by what the two recipes' GEMMs differ in, and they differ in none (only in the scale rule): check
+    ended in an internal error (StopIteration). It names the recipe, class scale."""
+    from parity.call_diagnosis import recipe_finding, stage_finding
+    case = Case(lead=(64,), K=128, N=64)
+    data = make_data(case)
+    execution = execute(load_impl(f"{ZOO}:correct_mxfp8"), data, record=True, keep_data=True)
+    unexplained = stage_finding(0, "output", "input", "bytes", "no single mistake reproduces them")
+    found = recipe_finding([unexplained], execution.calls, data.steps, RECIPES["mxfp8_floor"], case)
+    assert found is not None and found.category is BugClass.SCALE
+    assert "every recorded call is exactly the mxfp8 recipe's" in found.message, found.message
