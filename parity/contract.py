@@ -508,17 +508,22 @@ def _scale_problems(call: ScaledMMCall, M: int, K: int, N: int) -> list[GpuProbl
 
 
 def _layout_problems(call: ScaledMMCall, M: int, K: int, Kb: int, N: int) -> list[GpuProblem]:
+    # SM90's cuBLASLt runs FP8 only as "TN" (seen raising on an H200). A microscaled call's block scales run
+    # along K, so SM100 takes both operands K-major too: torchao's MX and NVFP4 GEMMs assert
+    # a._data.is_contiguous() and b._data.t().is_contiguous() before the call (not seen raising: no SM100 here)
+    kernel = ("SM100's block-scaled GEMM (K-major, as its scales)" if call.scaling and call.scaling[0] in MX_CALLS
+              else "SM90 cuBLASLt")
     problems = []
     if not (call.a_stride[1] == 1 and call.a_stride[0] >= max(1, K)):
-        problems.append(GpuProblem(GpuRule.A_NOT_ROW_MAJOR, f"A [{M}x{K}] has strides {call.a_stride}: SM90 cuBLASLt "
+        problems.append(GpuProblem(GpuRule.A_NOT_ROW_MAJOR, f"A [{M}x{K}] has strides {call.a_stride}: {kernel} "
                                                             f"needs A row-major (stride(1) == 1); pass a.contiguous()"))
     elif call.a_stride[0] % 16:
         problems.append(GpuProblem(GpuRule.A_ROW_STRIDE, f"A's row stride {call.a_stride[0]} is not a multiple of 16 "
                                                          f"bytes (cuBLASLt: CUBLAS_STATUS_NOT_SUPPORTED); pass "
                                                          f"a.contiguous()"))
     if not (call.b_stride[0] == 1 and call.b_stride[1] >= max(1, Kb)):
-        problems.append(GpuProblem(GpuRule.B_NOT_COLUMN_MAJOR, f"B [{Kb}x{N}] has strides {call.b_stride}: SM90 "
-                                                               f"cuBLASLt needs B column-major (stride(0) == 1); pass "
+        problems.append(GpuProblem(GpuRule.B_NOT_COLUMN_MAJOR, f"B [{Kb}x{N}] has strides {call.b_stride}: {kernel} "
+                                                               f"needs B column-major (stride(0) == 1); pass "
                                                                f"b.t().contiguous().t()"))
     elif call.b_stride[1] % 16:
         problems.append(GpuProblem(GpuRule.B_COLUMN_STRIDE, f"B's column stride {call.b_stride[1]} is not a multiple "
