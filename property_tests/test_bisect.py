@@ -150,7 +150,8 @@ def test_git_bisect_bad_input_exits_2(tmp_path, monkeypatch, capsys):
     assert "git rev-parse --show-toplevel failed" in err and "Traceback" not in err
 
 
-# A planted bug of each recipe a CPU judges against its reference: (its --impl and --recipe, a failing case).
+# A planted bug of each recipe a CPU judges against its reference: (its --impl and --recipe; its case, where the
+# default's N = 48 does not fit the recipe's blocks).
 # Blockwise is left out: its torchao reference cannot run on a CPU (check says so, exit 125), and against
 # emulated:blockwise the 128-aligned cases and the diagnosis by behaviour cost tens of seconds a run here.
 PRINTED = {
@@ -158,7 +159,10 @@ PRINTED = {
     "rowwise": ("evals/zoo/mutants.py:rowwise_pow2_missing", ["--recipe", "rowwise"]),
     "rowwise_with_gw_hp": ("evals/heldout/set12/gwhp_conv_go_scale_not_inverted.py:convert",
                            ["--recipe", "rowwise_with_gw_hp"]),
+    "mxfp8": ("evals/zoo/mx_mutants.py:mx_dim1_floor", ["--recipe", "mxfp8"]),
+    "nvfp4": ("evals/zoo/mx_mutants.py:nvfp4_no_global_scale", ["--recipe", "nvfp4"]),
 }
+PRINTED_CASE = {"mxfp8": "M32K64N64|normal|seed0", "nvfp4": "M32K64N64|normal|seed0"}  # N a multiple of 32
 
 
 @pytest.mark.parametrize("recipe", list(PRINTED))
@@ -169,7 +173,8 @@ def test_bisects_rerun_line_reproduces_the_finding_as_printed(recipe, tmp_path, 
     import shlex
     impl, flags = PRINTED[recipe]
     localized, rerun_json = tmp_path / "bisect.json", tmp_path / "check.json"
-    assert main(["bisect", "--impl", impl, *flags, "--case", "M32K64N48|normal|seed0", "--device", "cpu",
+    case = PRINTED_CASE.get(recipe, "M32K64N48|normal|seed0")
+    assert main(["bisect", "--impl", impl, *flags, "--case", case, "--device", "cpu",
                  "--json", str(localized)]) == 1
     finding = json.loads(localized.read_text())["finding"]
     text = capsys.readouterr().out
