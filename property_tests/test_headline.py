@@ -25,6 +25,7 @@ from parity.impls import load_impl
 from parity.suite import PropertyFailure, Suite
 from parity.train import TrainPlan, run_training
 from parity.vocabulary import Condition
+from property_tests.test_train import MODEL_FILE
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CASE = parse_case_id("M16K16N16|normal|seed0")
@@ -32,27 +33,8 @@ ONLY_ON_THE_GPU = str(Trigger(Condition.GPU_FAST_ACCUM))
 FAST_ACCUM = ("grad_weight GEMM (step 0): use_fast_accum=True where the tensorwise recipe says False "
               f"[accumulation; {ONLY_ON_THE_GPU}]")
 SCALE_FOR_INVERSE = "output GEMM (step 0): A (input): the GEMM handed its scale instead of the inverse [scale]"
-# a model of one small block (test_train's): a step of training takes a second, not the tiny GPT's ten
-MODEL = '''
-import torch
-from torch import nn
-
-class Block(nn.Module):
-    vocab_size, seq_len, batch_size = 64, 16, 4
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.up, self.down, self.head = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False), \\
-            nn.Linear(32, 64, bias=False)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        return self.head(x + self.down(torch.relu(self.up(x)))).float()
-
-def make_model():
-    return Block()
-'''
+# a model of one small block: a step of training takes a second, not the tiny GPT's ten
+MODEL = MODEL_FILE
 
 
 def readme_layer(folder: Path, name: str, pattern: str, replacement: str) -> str:
