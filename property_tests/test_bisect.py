@@ -151,18 +151,20 @@ def test_git_bisect_bad_input_exits_2(tmp_path, monkeypatch, capsys):
 
 
 # A planted bug of each recipe a CPU judges against its reference: (its --impl and --recipe; its case, where the
-# default's N = 48 does not fit the recipe's blocks).
-# Blockwise is left out: its torchao reference cannot run on a CPU (check says so, exit 125), and against
-# emulated:blockwise the 128-aligned cases and the diagnosis by behaviour cost tens of seconds a run here.
+# default's N = 48 does not fit the recipe's blocks). Blockwise's reference on a CPU is emulated:blockwise (torchao's
+# cannot run there: check says so, exit 125); its case has more than one 128x128 weight block, or a scale grid
+# reshaped where it belongs transposed would go unseen (about 10 s of bisect here).
 PRINTED = {
     "tensorwise": ("evals/zoo/mutants.py:scale_not_inverted", []),
     "rowwise": ("evals/zoo/mutants.py:rowwise_pow2_missing", ["--recipe", "rowwise"]),
     "rowwise_with_gw_hp": ("evals/heldout/set12/gwhp_conv_go_scale_not_inverted.py:convert",
                            ["--recipe", "rowwise_with_gw_hp"]),
+    "blockwise": ("evals/zoo/mutants.py:blockwise_scales_reshaped", ["--recipe", "blockwise"]),
     "mxfp8": ("evals/zoo/mx_mutants.py:mx_dim1_floor", ["--recipe", "mxfp8"]),
     "nvfp4": ("evals/zoo/mx_mutants.py:nvfp4_no_global_scale", ["--recipe", "nvfp4"]),
 }
-PRINTED_CASE = {"mxfp8": "M32K64N64|normal|seed0", "nvfp4": "M32K64N64|normal|seed0"}  # N a multiple of 32
+PRINTED_CASE = {"blockwise": "M128K256N384|normal|seed0", "mxfp8": "M32K64N64|normal|seed0",
+                "nvfp4": "M32K64N64|normal|seed0"}
 
 
 @pytest.mark.parametrize("recipe", list(PRINTED))
