@@ -318,8 +318,8 @@ BAD_INPUTS: dict[str, tuple[list[str], Expect]] = {
     "samples -1": (["sweep", "--samples", "-1"],
                    Expect(2, USAGE.format("sweep") + r"argument --samples: must be an integer from 0")),
     "sweep impl typo": (["sweep", "--impl", "fp8_imp"],
-                        Expect(2, USAGE.format("sweep") + r"unknown implementation 'fp8_imp': did you mean "
-                                                          r"'fp8_impl'\?")),
+                        Expect(2, USAGE.format("sweep") + r"argument --impl: unknown implementation 'fp8_imp': "
+                                                          r"did you mean 'fp8_impl'\?")),
     "bisect max-examples 0": (["bisect", "--impl", "bf16", "--max-examples", "0"],
                               Expect(2, USAGE.format("bisect") + r"argument --max-examples: ")),
     "bisect case syntax": (["bisect", "--impl", "bf16", "--case", "M16xK"],

@@ -42,6 +42,7 @@ def commands() -> list[tuple[list[str], int]]:
     usage_errors = [
         (["check", "--bogus"], 2),  # a flag that does not exist
         (["check", "--impl", "fp8_impl", "--max-examples", "-1"], 2),  # a value out of range
+        (["check", "--impl", "fp8_imp"], 2),  # a built-in's name mistyped
         (["bogus"], 2),  # a subcommand that does not exist
         ([], 2),  # no subcommand at all
     ]
