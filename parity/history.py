@@ -89,8 +89,9 @@ def git_bisect(good: str, bad: str, *, impl: str, against: str = "torchao:tensor
         _git("worktree", "add", "--detach", str(worktree), bad_sha, cwd=root)
         try:
             spec = _impl_in_worktree(impl, root, worktree)
-            check = [sys.executable, "-m", "parity", "check", "--impl", spec, "--against", against,
-                     "--device", device, "--max-examples", str(max_examples), "--quiet",
+            check = [sys.executable, "-m", "parity", "check", "--impl", spec,
+                     *(("--against", against) if against else ()), "--device", device,
+                     "--max-examples", str(max_examples), "--quiet",
                      *(("--case", case) if case else ())]  # a known failing case: each commit runs only it
             # exit 2 (the implementation does not load at this commit) means "cannot test": skip it
             script = f"cd {shlex.quote(scratch)} && {shlex.join(check)}; rc=$?; [ $rc -eq 2 ] && exit 125; exit $rc"
@@ -109,5 +110,6 @@ def git_bisect(good: str, bad: str, *, impl: str, against: str = "torchao:tensor
     subject = _git("log", "-1", "--format=%s", first_bad, cwd=root) if first_bad else None
     steps = [f"{sha[:10]} {verdict}" for verdict, sha in re.findall(r"^git bisect (good|bad|skip) ([0-9a-f]{40})",
                                                                       log, flags=re.M)]
-    return BisectOutcome(good, bad, first_bad, subject, steps, f"fp8-parity check --impl {impl} --against {against}",
+    return BisectOutcome(good, bad, first_bad, subject, steps, (f"fp8-parity check --impl {impl}"
+                                                                        + (f" --against {against}" if against else "")),
                          output)
