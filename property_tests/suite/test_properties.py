@@ -85,7 +85,7 @@ def test_accuracy_against_float64_and_exact_emulation(case):
 @pinned(case=Case(lead=(32,), K=64, N=48), stored=(Layout.TRANSPOSED, Layout.CONTIGUOUS, Layout.CONTIGUOUS))
 @pinned(case=Case(lead=(2, 16), K=64, N=48), stored=(Layout.TRANSPOSED, Layout.TRANSPOSED, Layout.SLICED))
 def test_layout_invariance(case, stored):
-    result = check_layout_invariance(SUITE.candidate, SUITE.data(case), stored)
+    result = SUITE.call(case, check_layout_invariance, SUITE.candidate, SUITE.data(case), stored)
     if not result.holds:
         SUITE.fail(f"the same logical tensors stored as in/w/go = {'/'.join(layout.value for layout in stored)} change "
                    f"the result", case, [result.error or "", *result.broken])
