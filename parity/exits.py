@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import traceback
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL, EXIT_INCOMPLETE, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4, 125
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -115,3 +116,16 @@ def handled_stop(err: KeyboardInterrupt) -> signal.Signals:
     never reaches such a handler, and stays recorded."""
     clear_stops()
     return interrupted_by(err)
+
+
+def quiet_lost_connections(previous_hook):
+    """A threading.excepthook that says nothing of a connection reset in multiprocessing's resource sharer (the
+    thread that hands a worker the file descriptors of shared tensors): a worker killed by a stop, or dead, while
+    it was being handed one. That worker's end is the stop's or already a finding; its traceback reached the user
+    after a Ctrl-C of train. Everything else goes to `previous_hook`."""
+    def hook(args):
+        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback is not None else []
+        shared = any(frame.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for frame in frames)
+        if not (shared and issubclass(args.exc_type, (ConnectionError, EOFError))):
+            previous_hook(args)
+    return hook

@@ -99,3 +99,27 @@ def test_a_check_stops_at_its_next_case_after_a_lost_stop_signal(monkeypatch):
     monkeypatch.setattr(exits, "_STOPS", [signal.SIGTERM])
     with pytest.raises(Terminated):
         run_check(CheckPlan.make(load_impl("bf16"), device="cpu"), device="cpu", max_examples=1)
+
+
+def test_a_connection_reset_in_the_resource_sharer_is_not_printed():
+    """A Ctrl-C of train killed a worker while multiprocessing's resource sharer handed it a shared tensor's file
+    descriptor: that thread's ConnectionResetError traceback reached the user (CI, 2026-12-07). cli.main's thread
+    hook says nothing of it; any other thread's exception still reaches the previous hook."""
+    import os
+    import threading
+    from parity.exits import quiet_lost_connections
+    seen = []
+    hook = quiet_lost_connections(seen.append)
+
+    def raised_in(filename: str, error: type[BaseException]):
+        try:
+            exec(compile("raise error()", filename, "exec"), {"error": error})
+        except BaseException as err:  # noqa: BLE001 - the test's own exception
+            return threading.ExceptHookArgs((type(err), err, err.__traceback__, None))
+
+    sharer = os.path.join("lib", "multiprocessing", "resource_sharer.py")
+    hook(raised_in(sharer, ConnectionResetError))
+    assert seen == []
+    for args in (raised_in(sharer, ValueError), raised_in("mine.py", ConnectionResetError)):
+        hook(args)
+    assert [args.exc_type for args in seen] == [ValueError, ConnectionResetError]
