@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 from parity.commands import RUNS_YOUR_CODE
-from parity.exits import EXIT_SIGNAL
+from parity.exits import EXIT_SIGNAL, quiet_lost_connections
 from parity.names import BUILTIN_PACKAGES  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
 
 
@@ -59,6 +60,10 @@ def worker_device(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # For the life of the process, not only of parity.cli.main (which restores the hook it found): the resource
+    # sharer's thread may lose its worker after the command returned, between cli.main's `finally` and this
+    # process's end (an EOFError traceback after a Ctrl-C of train, CI 2026-12-07).
+    install_quiet_lost_connections()
     device = worker_device(argv)
     if device is not None:
         # standard library only, yet multiprocessing's 30 ms are a third of a --help's wall time: here
@@ -73,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     if code in EXIT_SIGNAL.values():
         _exit_now(code)
     return code
+
+
+def install_quiet_lost_connections() -> None:
+    """threading.excepthook for this process: silent about the resource sharer's lost connections (parity.exits)."""
+    if not getattr(threading.excepthook, "quiet_lost_connections", False):
+        threading.excepthook = quiet_lost_connections(threading.excepthook)
 
 
 def _exit_now(code: int) -> None:

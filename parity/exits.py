@@ -128,4 +128,5 @@ def quiet_lost_connections(previous_hook):
         shared = any(frame.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for frame in frames)
         if not (shared and issubclass(args.exc_type, (ConnectionError, EOFError))):
             previous_hook(args)
+    hook.quiet_lost_connections = True
     return hook

@@ -123,3 +123,17 @@ def test_a_connection_reset_in_the_resource_sharer_is_not_printed():
     for args in (raised_in(sharer, ValueError), raised_in("mine.py", ConnectionResetError)):
         hook(args)
     assert [args.exc_type for args in seen] == [ValueError, ConnectionResetError]
+
+
+def test_the_console_script_keeps_the_quiet_hook_after_the_command_returned(tmp_path, monkeypatch):
+    """The resource sharer's thread can lose its worker after cli.main returned and restored the hook it found
+    (an EOFError traceback after a Ctrl-C of train, CI 2026-12-07): the console script installs the hook for the
+    life of its process, once."""
+    import threading
+    from parity import entry
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)  # restored after the test
+    assert entry.main(["report", str(tmp_path / "no such folder")]) == 2
+    assert getattr(threading.excepthook, "quiet_lost_connections", False)
+    installed = threading.excepthook
+    entry.install_quiet_lost_connections()
+    assert threading.excepthook is installed
