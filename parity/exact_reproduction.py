@@ -21,7 +21,7 @@ The GEMM's bits are known exactly (gemm_bits) where the kernel that computed its
 
 and nowhere else: under torch's own CPU kernel (FP8_PARITY_CPU_SCALED_MM=torch its sums follow the
 operands' strides, which the oracle does not have), for block-scaled GEMMs on a CPU (no _scaled_mm
-computes them there), on a GPU the table does not vouch for, for a call that adds a bias (the fp32
+computes them there), for the microscaled GEMMs of MXFP8 and NVFP4 anywhere (no model of SM100's), on a GPU the table does not vouch for, for a call that adds a bias (the fp32
 epilogue's rounding is not modelled) and for GEMMs that made no call (their bits are the
 implementation's own arithmetic: parity.diagnose ranks those hypotheses by closeness, as before).
 """
@@ -110,6 +110,8 @@ def gemm_bits(recipe: Recipe, gemm: str, operands: tuple[Quantized, Quantized], 
     that kernel's bits are not known (the module docstring)."""
     spec = recipe.gemm(gemm)
     if spec.high_precision or not hopper.available() and (device.type == "cuda" or cpu_gemm.mode() == "hopper"):
+        return None
+    if spec.kind in ("BlockWise1x32", "BlockWise1x16"):  # microscaled: no kernel of theirs is modelled, anywhere
         return None
     a, b = operands
     if device.type == "cuda":
