@@ -341,7 +341,8 @@ def render(result: Localization) -> str:
         f"{result.device}",
         *([f"  finding      : {result.headline}"] if result.headline is not None else []),
         f"  minimal case : {result.minimal_case.id}",
-        f"  GEMM         : {', '.join(result.gemm)} (first: {result.first})",
+        f"  GEMM         : {', '.join(result.gemm)} (first: {result.first})" if result.gemm else
+        "  GEMM         : none (the three GEMMs' results are right; grad_bias is not)",
         f"  operand      : {result.operand}",
         f"  bug class    : {result.category}",
         f"  trigger      : {'; '.join(result.trigger) or 'none: shows on the simplest case'}",

@@ -67,9 +67,8 @@ def blame(result: Localization, d: CaseDiagnosis) -> None:
     if d.crashes and not d.numeric:
         gemms = crash_gemms(d.crashes[0], d.execution.calls, d.recipe)
         result.method = Method.CRASH
-    if not gemms:  # grad_bias is the output GEMM's (its bias)
-        gemms = sorted({"output" if v.tensor == "grad_bias" else v.tensor for v in d.outcome.violations} & set(GEMMS),
-                       key=gemm_order)
+    if not gemms:  # only grad_bias differs: no GEMM is to blame (first: none), the bias's gradient is
+        gemms = sorted({v.tensor for v in d.outcome.violations} & set(GEMMS), key=gemm_order)
     if not gemms and d.gpu_problems:
         gemms = sorted({g for call, _ in d.gpu_problems for g in call.gemms if g in GEMMS}, key=gemm_order)
     result.gemm, result.first = gemms, gemms[0] if gemms else None

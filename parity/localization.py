@@ -26,7 +26,8 @@ NAMED_BY_REJECTION = (BugClass.LAYOUT, BugClass.FP8_DTYPE)
 
 def is_contract_only(violation: Violation) -> bool:
     """nn.Linear's contract broken, or equal values in another dtype: no wrong number."""
-    return violation.kind is Kind.CONTRACT or (violation.kind is Kind.BITWISE and violation.cause is Cause.DTYPE_ONLY)
+    return violation.kind is Kind.CONTRACT or (violation.kind is Kind.BITWISE and
+                                               violation.cause in (Cause.DTYPE_ONLY, Cause.MISSING))
 
 
 @dataclass

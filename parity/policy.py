@@ -180,7 +180,10 @@ def _row_violations(row: Row, policy: Policy) -> list[Violation]:
                      f"{row.nan} NaN and {row.inf} Inf where {row.reference} has {row.ref_nan} and {row.ref_inf} "
                      f"({row.unexpected_inf} Inf where the reference is far from overflowing)"))
     if policy is Policy.BITWISE and not row.bitwise:
-        if math.isnan(row.max_abs_err):
+        if math.isnan(row.max_abs_err) and row.dtype is None:  # the candidate gave None (parity.runner)
+            out.append(v(Kind.BITWISE, "not comparable", "bitwise equal",
+                         f"cannot be compared with {row.reference} (no tensor: see contract)", Cause.MISSING))
+        elif math.isnan(row.max_abs_err):
             out.append(v(Kind.BITWISE, "not comparable", "bitwise equal",
                          f"cannot be compared with {row.reference} (shape differs: see contract)", Cause.SHAPE_DIFFERS))
         elif row.n_diff == 0:

@@ -105,6 +105,7 @@ class Cause(Word):
     this, never the violation's sentence)."""
 
     SHAPE_DIFFERS = "shape_differs"  # bitwise: not comparable, the shapes differ
+    MISSING = "missing"  # bitwise: not comparable, the candidate returned None (a contract matter, no wrong number)
     DTYPE_ONLY = "dtype_only"  # bitwise: equal values in another dtype (a contract matter)
     VALUES_DIFFER = "values_differ"  # bitwise: elements differ
     FLAG_IGNORED_ON_CPU = "flag_ignored_on_cpu"  # operand: only use_fast_accum differs, which a CPU ignores

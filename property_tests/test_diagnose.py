@@ -141,6 +141,23 @@ USER_CODE = textwrap.dedent('''
                 *input.shape[:-1], self.out_features)
 
 
+    class BiasGradientDropped(torch.nn.Linear):
+        """fp8_impl's tensorwise GEMMs and the bias added, outside the autograd graph: the bias gets no gradient."""
+
+        @classmethod
+        def from_float(cls, linear):
+            module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+            module.weight, module.bias = linear.weight, linear.bias
+            return module
+
+        def forward(self, input):
+            output = float8_matmul(input.reshape(-1, input.shape[-1]), self.weight)
+            if self.bias is not None:
+                output = output + self.bias.detach()
+            return output.reshape(*input.shape[:-1], self.out_features)
+
+
     class _UnitScaleCallsFast(TorchDispatchMode):
         """Every _scaled_mm call with unit scales asks for fast accumulation."""
 
@@ -520,6 +537,16 @@ def test_a_dropped_bias_inside_a_loose_bound_is_the_output_gemms(user_file, monk
     result = localize(CheckPlan.make(load_impl(f"{user_file}:BiasDropped")), max_examples=30, isolate=False)
     assert (result.first, result.category, result.operand) == ("output", "contract", "result"), result.evidence
     assert any("only with a bias" in trigger for trigger in result.trigger), result.trigger
+
+
+def test_only_a_dropped_bias_gradient_blames_no_gemm(user_file):
+    """The output, with its bias, and the three GEMMs are right; only grad_bias is None: no GEMM is to blame
+    (held-out set 16's s16_b29 was put in the output GEMM, whose result was right)."""
+    result = bisect(user_file, "BiasGradientDropped")
+    assert (result.first, result.gemm, result.category) == (None, [], "contract"), result.evidence
+    assert any("grad_bias is None" in line for line in result.evidence), result.evidence
+    from parity.bisect import render
+    assert "GEMM         : none (the three GEMMs' results are right; grad_bias is not)" in render(result)
 
 
 def test_a_result_reshaped_where_a_transpose_belongs_is_named(user_file):
