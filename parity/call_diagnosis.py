@@ -29,7 +29,7 @@ from parity.findings import Finding
 from parity.mistakes import Hypothesis, operand_hypotheses, quantize_mistaken
 from parity.operand_sources import OperandSources, strides_ignored
 from parity import mx
-from parity.recipes import BLOCK, FP8_DTYPES, GEMMS, MX_BLOCK, NVFP4_BLOCK, Cast, Gemm, Recipe
+from parity.recipes import BLOCK, FP8_DTYPES, FP8_FORMATS, GEMMS, MX_BLOCK, NVFP4_BLOCK, Cast, Gemm, Recipe, Scaling
 from parity.vocabulary import BugClass, Kind, Operand, Stage, Tensor
 
 
@@ -199,6 +199,15 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
         return OperandExplanation("bytes", values_only.category, f"its fp8 values are those of "
                                   f"{values_only.description}, while the GEMM is handed the recipe's scales",
                                   values_only)
+    microscaled = cast.scaling in (Scaling.MX_1X32, Scaling.NV_1X16)
+    if not scales_ok and values_ok and microscaled:
+        misplaced = _misplaced_scales(scales, correct.inv_scale.cpu())
+        if misplaced:
+            return OperandExplanation("scale", BugClass.LAYOUT.value, misplaced)
+    if scales_ok and microscaled:
+        saturated = _differs_where_saturated(values, correct.values.cpu(), want_scales, FP8_FORMATS[cast.fp8])
+        if saturated:
+            return OperandExplanation("bytes", BugClass.SATURATION.value, saturated)
     if not scales_ok:
         count, index, got, want = _first_difference(scales, want_scales)
         return OperandExplanation("scale", "", f"its inverse scale differs from the oracle's for {count} of "
@@ -209,6 +218,57 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     return OperandExplanation("bytes", "", f"its scales are the recipe's but its fp8 values differ in {count} of "
                               f"{values.numel()} elements (first at {list(index)}: {got:g}, oracle {want:g}); no "
                               f"single mistake reproduces them")
+
+
+# what a block-scale byte of 0 (the swizzled layout's padding, or a scale never written) decodes to: E8M0's
+# 2^-127, and NVFP4's E4M3 zero
+_PADDING_SCALES = (2.0 ** -127, 0.0)
+
+
+def _misplaced_scales(scales: torch.Tensor, want_grid: torch.Tensor) -> str:
+    """Where an operand's elements are the oracle's (so its cast computed the right block scales) but the
+    scales its GEMM reads are not: if every scale read is one of the oracle's for this operand or a padding
+    byte's value, the right scales were stored at the wrong places (a swizzle, a padding offset, a store
+    never made): a layout mistake of the scale tensor. The sentence that says so, or "" where some scale read
+    is none of those, or is read more often than the oracle has it."""
+    rows, blocks = want_grid.shape
+    block = scales.shape[1] // blocks
+    got_grid = scales[:, ::block][:, :blocks].to(torch.float64)
+    want = want_grid.to(torch.float64)
+    padding_values = torch.tensor(_PADDING_SCALES, dtype=torch.float64)
+    read = got_grid.reshape(-1)
+    if bool(read.isnan().any()):
+        return ""
+    # each scale value read at most as often as the oracle has it (a padding byte's value any number of times):
+    # moved scales, not scales by another rule that happen to equal other blocks' (powers of two repeat)
+    values, counts = torch.unique(read[~torch.isin(read, padding_values)], return_counts=True)
+    want_values, want_counts = torch.unique(want.reshape(-1), return_counts=True)
+    available = dict(zip(want_values.tolist(), want_counts.tolist()))
+    if any(count > available.get(value, 0) for value, count in zip(values.tolist(), counts.tolist())):
+        return ""
+    wrong = got_grid != want
+    count = int(wrong.sum())
+    padding = int((wrong & torch.isin(got_grid, torch.tensor(_PADDING_SCALES, dtype=torch.float64))).sum())
+    r, b = (int(i) for i in wrong.nonzero()[0])
+    return (f"its elements are the oracle's, yet {count} of {rows * blocks} block scales the GEMM reads are at "
+            f"the wrong place (first block [{r}, {b}]: {float(got_grid[r, b]):.6g}, oracle {float(want[r, b]):.6g}); "
+            f"every scale read is one of the oracle's for this operand, no more often than the oracle has it, or a "
+            f"padding byte ({padding} are): the right scales stored at the wrong places of the scale tensor")
+
+
+def _differs_where_saturated(values: torch.Tensor, want: torch.Tensor, want_scales: torch.Tensor, fmt) -> str:
+    """Where an operand's scales are the oracle's and its elements differ only at elements the oracle's cast
+    saturates to +-max: the sentence that says so (a saturation mistake), else ""."""
+    meaningful = ~want_scales.isnan()
+    differ = meaningful & ~((values == want) | (values.isnan() & want.isnan()))
+    count = int(differ.sum())
+    if not count or not bool((want[differ].abs() == fmt.max).all()):
+        return ""
+    index = tuple(int(i) for i in differ.nonzero()[0])
+    saturated = int((meaningful & (want.abs() == fmt.max)).sum())
+    return (f"its elements differ from the oracle's in {count} of {values.numel()} places, each one the oracle's "
+            f"cast saturates to +-{fmt.max:g} ({saturated} elements are at +-{fmt.max:g}; first at {list(index)}: "
+            f"{float(values[index]):g}, oracle {float(want[index]):g}): saturation skipped or done another way")
 
 
 def _explained_by(hypothesis: Hypothesis) -> OperandExplanation:

@@ -11,8 +11,11 @@ wrong, each with its `detail` (vocabulary.Detail) inside its bug class:
                      blocks of another length
     nan handling     an amax that skips NaN (the block keeps a finite scale)
     swizzle          the scales written row-major where the call declares cuBLAS's swizzled layout
+                     (layout: the right scales at the wrong places), or the grid viewed in the other
+                     axis's shape (transpose: reinterpreted with view)
     scale padding    the scale grid written at the unpadded grid's row stride inside the padded one
-    element rounding elements that come back zero (a rounding path that returns zeros)
+    element rounding elements that come back zero (a rounding path that returns zeros); saturation at
+                     +-448 skipped, at e4m3fnuz's 240, or on the raw values
 
 plus those of parity.mistakes that mean the same for any cast (the operand's values moved or stale,
 rounded first, amax without abs, scales not inverted, the grid transposed, the bytes rearranged).
@@ -100,6 +103,25 @@ def _unpadded_stride(q: Quantized) -> Quantized:
     return Quantized(q.values, flat.reshape(rows, padded)[:, :blocks].contiguous(), q.tile, q.fp8_dtype)
 
 
+def _grid_viewed_as_the_others(q: Quantized) -> Quantized:
+    """The grid [rows, blocks] of a dim1 cast reinterpreted with view as [inner, rows / block] (the shape of the
+    other axis's grid, as if its rows were the weight's) before it is swizzled, and read swizzled as [rows, blocks]."""
+    grid, rows, blocks = _grid(q)
+    block = q.values.shape[1] // blocks
+    inner = blocks * block
+    if rows % block or inner == rows:
+        raise NotApplicable
+    padded_rows, padded_blocks = mx.padded_scale_shape(inner, rows // block)
+    if padded_rows * padded_blocks != math.prod(mx.padded_scale_shape(rows, blocks)):
+        raise NotApplicable  # another number of scales: the kernel refuses the call (a crash, not this)
+    padded = torch.full((padded_rows, padded_blocks), _padding_value(q), dtype=grid.dtype)
+    padded[:inner, : rows // block] = grid.cpu().reshape(inner, rows // block)
+    flat = torch.empty(padded.numel(), dtype=grid.dtype)
+    flat[mx.swizzle_positions(padded_rows, padded_blocks).reshape(-1)] = padded.reshape(-1)
+    misread = mx.unswizzled(flat, rows, blocks)
+    return Quantized(q.values, misread.to(grid.device), q.tile, q.fp8_dtype)
+
+
 def _subtiles_transposed(q: Quantized) -> Quantized:
     """The elements of every 32x32 sub-tile transposed (a transposed store that swaps its row and column
     index), the scales where they belong."""
@@ -162,8 +184,22 @@ def _mxfp8_scales(recipe: Recipe) -> list[Hypothesis]:
             BugClass.SCALE, Detail.SCALE_ROUNDING, OperandStage.SCALED, partial(_smallest_scale_as, 2.0 ** 126)),
         _mx("a scale of 2^-127 (byte 0) read as 'no scaling' when its elements are cast: multiplied by 1",
             BugClass.SCALE, Detail.SCALE_ROUNDING, OperandStage.SCALED, partial(_smallest_scale_as, 1.0)),
-        _mx("cast without saturating: elements beyond 448 become NaN", BugClass.SATURATION, Detail.ELEMENT_ROUNDING,
-            OperandStage.SATURATION, mistakes._not_saturating),
+        *_mx_saturation(),
+    ]
+
+
+def _mx_saturation() -> list[Hypothesis]:
+    """The e4m3 elements' saturation at +-448 done wrong: not at all, at e4m3fnuz's 240, or on the raw values."""
+    e4m3, fnuz = FP8_FORMATS["e4m3"].max, FP8_FORMATS["e4m3fnuz"].max
+    return [
+        _mx(f"cast without saturating: elements beyond {e4m3:g} become NaN", BugClass.SATURATION,
+            Detail.ELEMENT_ROUNDING, OperandStage.SATURATION, mistakes._not_saturating),
+        _mx(f"its elements clamped at {fnuz:g} (e4m3fnuz's max) instead of {e4m3:g}", BugClass.SATURATION,
+            Detail.ELEMENT_ROUNDING, OperandStage.SATURATION, partial(mistakes._clamped_at, fnuz)),
+        _mx(f"its raw values clamped to +-{e4m3:g} before the cast (the block scales from the clamped values)",
+            BugClass.SATURATION, Detail.ELEMENT_ROUNDING, OperandStage.SOURCE, partial(mistakes._clipped, e4m3)),
+        _mx(f"its raw values clamped to +-{e4m3:g} before they are scaled, the block scales from the unclamped amax",
+            BugClass.SATURATION, Detail.ELEMENT_ROUNDING, OperandStage.SCALED, partial(mistakes._raw_clamped, e4m3)),
     ]
 
 
@@ -192,9 +228,12 @@ def _blocks(cast: Cast, rows: int, inner: int) -> list[Hypothesis]:
 def _layouts() -> list[Hypothesis]:
     return [
         _mx("its scales written row-major where the call declares cuBLAS's swizzled layout (SWIZZLE_32_4_4)",
-            BugClass.SCALE, Detail.SWIZZLE, OperandStage.GRID, _read_swizzled),
+            BugClass.LAYOUT, Detail.SWIZZLE, OperandStage.GRID, _read_swizzled),
         _mx("its scale grid written at the unpadded row stride (K / block) inside the grid padded to 4 columns",
-            BugClass.SCALE, Detail.SCALE_PADDING, OperandStage.GRID, _unpadded_stride),
+            BugClass.LAYOUT, Detail.SCALE_PADDING, OperandStage.GRID, _unpadded_stride),
+        _mx("its grid of scales reinterpreted with view as the other axis's grid shape ([inner, rows / block]) "
+            "before it is swizzled", BugClass.TRANSPOSE, Detail.SWIZZLE, OperandStage.GRID,
+            _grid_viewed_as_the_others),
     ]
 
 

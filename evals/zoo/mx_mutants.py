@@ -47,12 +47,12 @@ MX_MUTANTS = [
     MxMutant("mx_dim1_tile_transposed", "mxfp8", "transpose", ("grad_weight",), "input", "pytorch/ao #3362",
              "the dim1 cast of the input (for grad_weight) with a multi-tile column loop stores its fp8 elements "
              "transposed within each 32x32 sub-tile (a transposed store's index swap); its scales are right"),
-    MxMutant("mx_dim1_scale_overwrite", "mxfp8", "scale", ("grad_weight",), "grad_output", "pytorch/ao PR #4627",
+    MxMutant("mx_dim1_scale_overwrite", "mxfp8", "layout", ("grad_weight",), "grad_output", "pytorch/ao PR #4627",
              "the dim1 cast of grad_output stores the scales of a partial row tile (M not a multiple of the tile) "
              "as a whole tile: the padding's scales overwrite the first scales of the next column"),
     MxMutant("mx_dim0_nan_skipped", "mxfp8", "scale", ("output",), "input", "pytorch/ao PR #4201",
              "the dim0 casts take amax with a max that skips NaN: a block holding a NaN keeps a finite scale"),
-    MxMutant("mx_padded_tokens", "mxfp8", "scale", ("output",), "input", "TransformerEngine #3484",
+    MxMutant("mx_padded_tokens", "mxfp8", "layout", ("output",), "input", "TransformerEngine #3484",
              "tokens padded to a group of 128 as a grouped GEMM of one group does: the input's dim0 scales are "
              "read at the padded group's offset (misindexed). The report's second half, grad_weight summed over the "
              "padding, is not planted: it changes the GEMM's shape (see docs/concepts/mx.md)"),
@@ -66,8 +66,15 @@ MX_MUTANTS = [
              "the weight's block scales clamped at e4m3's smallest normal 2^-6 (torchao 0.18's nvfp4_quantize)"),
     MxMutant("nvfp4_nibbles_swapped", "nvfp4", "transpose", ("output", "grad_weight"), "input", "invented",
              "the input's e2m1 pairs packed with element 2j in the high nibble (the contract: the low one)"),
-    MxMutant("nvfp4_unswizzled_scales", "nvfp4", "scale", ("output",), "input", "invented",
+    MxMutant("nvfp4_unswizzled_scales", "nvfp4", "layout", ("output",), "input", "invented",
              "the input's block scales handed over row-major while the call declares SWIZZLE_32_4_4"),
+    # ---- MXFP8's invented mistakes that no single hypothesis of parity.mx_mistakes reproduces ----
+    MxMutant("mx_floor_saturation_wraps", "mxfp8_floor", "saturation", ("output", "grad_input"), "weight",
+             "invented", "a software e4m3 encoder of the weight's casts without saturation: FLOOR-scaled values "
+             "past 464 wrap into the sign bit (-448 for 512) instead of saturating at 448"),
+    MxMutant("mx_input_blocks_of_64", "mxfp8", "scale", ("output",), "input", "invented",
+             "the input's dim0 cast in blocks of 64: its scale tensor has the size of 32-blocks' only where the "
+             "padding to 4 scale columns hides it (K = 64, 128), and the call raises elsewhere"),
 ]
 BY_NAME = {m.name: m for m in MX_MUTANTS}
 
@@ -89,12 +96,16 @@ def _e8m0(amax: torch.Tensor, rule: str) -> torch.Tensor:
 def _mxfp8(x: torch.Tensor, rule: str, bug: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, inner] -> (e4m3 [rows, inner], E8M0 scales [rows, inner / 32])."""
     rows, inner = x.shape
-    blocks = x.float().reshape(rows, inner // 32, 32)
+    size = 64 if bug == "blocks_of_64" else 32
+    blocks = x.float().reshape(rows, inner // size, size)
     magnitude = blocks.abs()
     amax = torch.nan_to_num(magnitude, nan=0.0).amax(-1) if bug == "nan_skipped" else magnitude.amax(-1)
     e = _e8m0(amax, rule)
     scaled = blocks * torch.exp2(-e)[..., None]  # exact: a power of two (NaN for a NaN block)
-    elements = scaled.clamp(-448.0, 448.0).to(E4M3).reshape(rows, inner).contiguous()  # row-major, as A or B.T
+    saturated = scaled.clamp(-448.0, 448.0)
+    if bug == "wraps":  # past 464 (448 and half a step) the exponent overflows into the sign bit
+        saturated = torch.where(scaled.abs() > 464.0, -saturated, saturated)
+    elements = saturated.to(E4M3).reshape(rows, inner).contiguous()  # row-major, as A or B.T
     biased = torch.where(e.isnan(), torch.full_like(e, 255.0), e + 127).to(torch.uint8)
     return elements, biased.view(E8M0)
 
@@ -216,7 +227,9 @@ class _Mx(torch.autograd.Function):
             bt, sb = _mxfp8(weight, rule)
             return _mxfp8_call(a[: input.shape[0]], sa[pad:], bt, sb, input.dtype)
         dim0 = "nan_skipped" if bug == "mx_dim0_nan_skipped" else None
-        return _mxfp8_gemm(input, weight, input.dtype, (rule, rule), (dim0, dim0))
+        weight_bug = "wraps" if bug == "mx_floor_saturation_wraps" else dim0
+        input_bug = "blocks_of_64" if bug == "mx_input_blocks_of_64" else dim0
+        return _mxfp8_gemm(input, weight, input.dtype, (rule, rule), (input_bug, weight_bug))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -233,7 +246,8 @@ class _Mx(torch.autograd.Function):
         rule = "floor" if recipe == "mxfp8_floor" else "rceil"
         dim1 = "floor" if bug == "mx_dim1_floor" else rule  # the casts along the other axis
         dim0 = "nan_skipped" if bug == "mx_dim0_nan_skipped" else None
-        grad_input = _mxfp8_gemm(grad_output, weight.t(), grad_output.dtype, (rule, dim1), (dim0, None))
+        grad_input = _mxfp8_gemm(grad_output, weight.t(), grad_output.dtype, (rule, dim1),
+                                 (dim0, "wraps" if bug == "mx_floor_saturation_wraps" else None))
         return grad_input, _grad_weight(grad_output, input, ctx.weight_dtype, dim1, bug), None, None
 
 
