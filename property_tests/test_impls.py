@@ -189,3 +189,17 @@ def test_cuda_spares_are_spawned_side_by_side_and_each_taken_one_is_replaced(mon
     assert fresh._process is spawned[1].process and len(spawned) == 3  # the last taken: its replacement
     worker.prestart("cpu", 4)  # CPU workers fork from the fork server: no spare
     assert len(spawned) == 3
+
+
+@pytest.mark.parametrize("builtin", ["torchao:blockwise", "torchao:mxfp8"])
+def test_torchaos_layers_that_assert_contiguity_skip_non_contiguous_cases_with_why(builtin):
+    """torchao 0.18's Float8BlockwiseLinear and MXFP8Linear assert contiguous operands in their casts: such a case
+    is skipped with the reason, never an error of the whole check (blockwise ended a check on an H100 in exit 125
+    after 181 s, 2026-12-07). An N-D input stored transposed is copied by their reshape and runs."""
+    from parity.cases import Layout
+    impl = load_impl(builtin)
+    plain = Case(lead=(128,), K=128, N=128)
+    assert impl.limits(plain, "cuda") is None
+    for case in (plain.replace(input_layout=Layout.TRANSPOSED), plain.replace(weight_layout=Layout.SLICED)):
+        assert "non-contiguous" in impl.limits(case, "cuda")
+    assert impl.limits(Case(lead=(2, 64), K=128, N=128, input_layout=Layout.TRANSPOSED), "cuda") is None
