@@ -159,7 +159,7 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple
 
 
 def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cast, recipe: Recipe,
-                    sources: OperandSources, gemm: str, role: str) -> OperandExplanation | None:
+                    sources: OperandSources, gemm: str, role: str, partner: Cast | None = None) -> OperandExplanation | None:
     """(stage, category, message, hypothesis) for an operand a GEMM got (fp8 values and per-element inverse
     scales, laid out [rows, inner]) that is not the recipe's, or None when it is."""
     rows, inner = values.shape
@@ -200,6 +200,12 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
                                   f"{values_only.description}, while the GEMM is handed the recipe's scales",
                                   values_only)
     microscaled = cast.scaling in (Scaling.MX_1X32, Scaling.NV_1X16)
+    if not scales_ok and values_ok and microscaled and partner is not None and \
+            _partners_scales(scales, tuple(correct.inv_scale.shape), sources, gemm, role, partner, recipe):
+        other = "B" if role == "a" else "A"
+        return OperandExplanation("scale", BugClass.SCALE.value, f"its elements are the oracle's and its scales are "
+                                  f"the oracle's scales of the GEMM's other operand ({other}): the scales of A and "
+                                  f"B handed over swapped")
     if not scales_ok and values_ok and microscaled:
         misplaced = _misplaced_scales(scales, correct.inv_scale.cpu())
         if misplaced:
@@ -218,6 +224,28 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
     return OperandExplanation("bytes", "", f"its scales are the recipe's but its fp8 values differ in {count} of "
                               f"{values.numel()} elements (first at {list(index)}: {got:g}, oracle {want:g}); no "
                               f"single mistake reproduces them")
+
+
+def _partners_scales(scales: torch.Tensor, grid_shape: tuple[int, int], sources: OperandSources, gemm: str,
+                     role: str, partner: Cast, recipe: Recipe) -> bool:
+    """Whether the block scales an operand's GEMM reads (its grid `grid_shape`, read from a swizzled buffer) are
+    the oracle's scales of the GEMM's other operand, swizzled as that operand's and read as this one's: the two
+    scale tensors handed over swapped (possible where their padded sizes agree)."""
+    other = quantize_mistaken(sources.view(gemm, "b" if role == "a" else "a", "same"), partner, recipe)
+    if other is None or other.inv_scale.dim() != 2:
+        return False
+    other_grid = other.inv_scale.cpu().to(torch.float64)
+    padded_other, padded_own = mx.padded_scale_shape(*other_grid.shape), mx.padded_scale_shape(*grid_shape)
+    if padded_other[0] * padded_other[1] != padded_own[0] * padded_own[1]:
+        return False
+    padding = _PADDING_SCALES[1] if partner.dtype == torch.float4_e2m1fn_x2 else _PADDING_SCALES[0]
+    padded = torch.full(padded_other, padding, dtype=torch.float64)
+    padded[: other_grid.shape[0], : other_grid.shape[1]] = other_grid
+    flat = torch.empty(padded.numel(), dtype=torch.float64)
+    flat[mx.swizzle_positions(*padded_other).reshape(-1)] = padded.reshape(-1)
+    read_as_own = mx.unswizzled(flat, *grid_shape)
+    rows, inner = scales.shape
+    return _same(scales, _expanded(read_as_own, rows, grid_shape[1] * (inner // grid_shape[1]))[:, :inner])
 
 
 # what a block-scale byte of 0 (the swizzled layout's padding, or a scale never written) decodes to: E8M0's
@@ -313,7 +341,8 @@ def compare_call(call: ScaledMMCall, spec: Gemm, recipe: Recipe, sources: Operan
             continue
         rows, inner = values.shape
         scales = None if unit_form else _recorded_scales(call, role, rows, inner)
-        found = explain_operand(values, scales, cast, recipe, sources, spec.name, role)
+        found = explain_operand(values, scales, cast, recipe, sources, spec.name, role,
+                                partner=spec.b if role == "a" else spec.a)
         if found is not None and unit_scales and not unit_form and \
                 explain_operand(values, None, cast, recipe, sources, spec.name, role) is None:
             scales_elsewhere = True  # the recipe's bytes with unit scales: the scales live outside the call

@@ -72,6 +72,9 @@ MX_MUTANTS = [
     MxMutant("mx_floor_saturation_wraps", "mxfp8_floor", "saturation", ("output", "grad_input"), "weight",
              "invented", "a software e4m3 encoder of the weight's casts without saturation: FLOOR-scaled values "
              "past 464 wrap into the sign bit (-448 for 512) instead of saturating at 448"),
+    MxMutant("mx_grad_input_scales_swapped", "mxfp8", "scale", ("grad_input",), "grad_output", "invented",
+             "the grad_input GEMM handed B's scales as A's and A's as B's (their padded sizes agree while both "
+             "operands fit one 128x4 tile)"),
     MxMutant("mx_input_blocks_of_64", "mxfp8", "scale", ("output",), "input", "invented",
              "the input's dim0 cast in blocks of 64: its scale tensor has the size of 32-blocks' only where the "
              "padding to 4 scale columns hides it (K = 64, 128), and the call raises elsewhere"),
@@ -246,8 +249,12 @@ class _Mx(torch.autograd.Function):
         rule = "floor" if recipe == "mxfp8_floor" else "rceil"
         dim1 = "floor" if bug == "mx_dim1_floor" else rule  # the casts along the other axis
         dim0 = "nan_skipped" if bug == "mx_dim0_nan_skipped" else None
-        grad_input = _mxfp8_gemm(grad_output, weight.t(), grad_output.dtype, (rule, dim1),
-                                 (dim0, "wraps" if bug == "mx_floor_saturation_wraps" else None))
+        if bug == "mx_grad_input_scales_swapped":
+            (a, sa), (bt, sb) = _mxfp8(grad_output, rule), _mxfp8(weight.t(), dim1)
+            grad_input = _mxfp8_call(a, sb, bt, sa, grad_output.dtype)
+        else:
+            grad_input = _mxfp8_gemm(grad_output, weight.t(), grad_output.dtype, (rule, dim1),
+                                     (dim0, "wraps" if bug == "mx_floor_saturation_wraps" else None))
         return grad_input, _grad_weight(grad_output, input, ctx.weight_dtype, dim1, bug), None, None
 
 
