@@ -14,8 +14,10 @@ wrong, each with its `detail` (vocabulary.Detail) inside its bug class:
                      (layout: the right scales at the wrong places), or the grid viewed in the other
                      axis's shape (transpose: reinterpreted with view)
     scale padding    the scale grid written at the unpadded grid's row stride inside the padded one
-    element rounding elements that come back zero (a rounding path that returns zeros); saturation at
-                     +-448 skipped, at e4m3fnuz's 240, or on the raw values
+    element rounding elements that come back zero (a rounding path that returns zeros) or rounded toward
+                     zero (scale: the encoding of a block); saturation at +-448 skipped, at
+                     e4m3fnuz's 240, or on the raw values; NVFP4's block scales saturated at 240
+                     (saturation)
 
 plus those of parity.mistakes that mean the same for any cast (the operand's values moved or stale,
 rounded first, amax without abs, scales not inverted, the grid transposed, the bytes rearranged).
@@ -145,6 +147,21 @@ def _zero_elements(q: Quantized) -> Quantized:
     return Quantized(torch.zeros_like(q.values), q.inv_scale, q.tile, q.fp8_dtype)
 
 
+def _truncated(scaled: torch.Tensor, fmt) -> torch.Tensor:
+    """The scaled values rounded toward zero onto the element grid (a floor of the magnitude where the contract
+    rounds to nearest even), saturating at the format's max."""
+    magnitude = scaled.to(torch.float64).abs().clamp(max=fmt.max)
+    if fmt.dtype == torch.float4_e2m1fn_x2:  # steps of 0.5 below 2, 1 below 4, 2 up to 6
+        step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0)).to(torch.float64)
+    else:  # e4m3: 3 mantissa bits, subnormals below 2^-6
+        _, exponent = torch.frexp(magnitude)
+        step = torch.exp2((torch.clamp(exponent - 1, min=-6) - 3).to(torch.float64))
+    truncated = torch.copysign(torch.floor(magnitude / step) * step, scaled.to(torch.float64))
+    if torch.equal(truncated, oracles.saturated(scaled, fmt)):
+        raise NotApplicable
+    return torch.where(scaled.isnan(), scaled.to(torch.float64), truncated)
+
+
 # ---- NVFP4: the two-level scale ----------------------------------------------------------------------
 
 def _nvfp4_scale_with(divisor: float | None, amax: torch.Tensor, fp8_max: float, **rounding) -> torch.Tensor:
@@ -163,6 +180,15 @@ def _nvfp4_divided_by_unrounded(groups: torch.Tensor, decode: torch.Tensor) -> t
     if torch.equal(unrounded.to(torch.float64), decode.to(torch.float64)):
         raise NotApplicable
     return mx.divided_by_decode_scale(groups, unrounded)
+
+
+def _nvfp4_scale_bound(bound: float, amax: torch.Tensor, fp8_max: float, **rounding) -> torch.Tensor:
+    """Block scales saturated at `bound` (e4m3fnuz's 240, say) where the contract saturates them at 448."""
+    global_ = mx.nvfp4_global_scale(amax.max())
+    per_block = amax.to(torch.float32) / torch.tensor(mx.E2M1_MAX, dtype=torch.float32) / global_
+    if not bool((per_block > bound).any()):
+        raise NotApplicable
+    return mx.round_e4m3(per_block.clamp(max=bound).to(torch.float64)) * global_.to(torch.float64)
 
 
 def _nvfp4_scale_clamped(amax: torch.Tensor, fp8_max: float, **rounding) -> torch.Tensor:
@@ -225,6 +251,9 @@ def _nvfp4_scales() -> list[Hypothesis]:
             OperandStage.SCALE, _nvfp4_scale_clamped),
         _mx("its elements divided by the block scale before its e4m3 rounding (the GEMM handed the rounded one)",
             BugClass.SCALE, Detail.SCALE_ROUNDING, OperandStage.SCALED, _nvfp4_divided_by_unrounded),
+        _mx(f"its e4m3 block scales saturated at {FP8_FORMATS['e4m3fnuz'].max:g} (e4m3fnuz's max) instead of "
+            f"{mx.E4M3_MAX:g}", BugClass.SATURATION, Detail.SCALE_ROUNDING, OperandStage.SCALE,
+            partial(_nvfp4_scale_bound, FP8_FORMATS["e4m3fnuz"].max)),
     ]
 
 
@@ -277,7 +306,12 @@ def mx_hypotheses(cast: Cast, recipe: Recipe, rows: int, inner: int) -> list[Hyp
         # the right values at the wrong places of the byte: a layout mistake, as misplaced scales are
         stores.append(Hypothesis("its e2m1 pairs packed with element 2j in the high nibble (each pair swapped)",
                                  BugClass.LAYOUT, OperandStage.BYTES, _nibbles_swapped))
-    zeros = [_mx(f"its {FP8_FORMATS[cast.fp8].name} elements all zero (a rounding path that returns zeros)",
-                 BugClass.PRECISION, Detail.ELEMENT_ROUNDING, OperandStage.BYTES, _zero_elements)]
+    # the elements' encoding gone wrong, their scales right: a scale mistake by the MX sets' convention (the rule,
+    # the encoding, the block: how a block's values become bytes)
+    name = FP8_FORMATS[cast.fp8].name
+    zeros = [_mx(f"its {name} elements all zero (a rounding path that returns zeros)",
+                 BugClass.SCALE, Detail.ELEMENT_ROUNDING, OperandStage.BYTES, _zero_elements),
+             _mx(f"its {name} elements rounded toward zero (truncated) instead of to nearest even",
+                 BugClass.SCALE, Detail.ELEMENT_ROUNDING, OperandStage.SATURATION, _truncated)]
     return [*scales, *nan, *_blocks(cast, rows, inner), *_layouts(), *_generic(cast, recipe, rows, inner),
             *stores, *zeros]

