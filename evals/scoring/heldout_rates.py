@@ -59,6 +59,21 @@ def trigger_found(token: str, triggers: list[str]) -> bool:
     return any(t.startswith(labels.get(token, token)) for t in triggers)
 
 
+# Set 18 names a GEMM's operand by its side ("A", "B"), as its writer's brief put it ("the A or B operand of that
+# GEMM"); the harness names the tensor. The sides by GEMM (added after set 18's first run, which scored them as
+# written: docs/evaluation.md gives both figures).
+SIDES = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight"),
+         "grad_weight": ("grad_output", "input")}
+
+
+def expected_operand(entry: dict) -> str | None:
+    """The manifest's operand as the harness names it: a side A/B read by the entry's GEMM."""
+    operand, gemm = entry["operand"], entry["gemm"]
+    if operand in ("A", "B") and gemm in SIDES:
+        return SIDES[gemm][0 if operand == "A" else 1]
+    return operand
+
+
 def evaluate(entry: dict, device: str) -> dict:
     from parity.bisect import localize
     from parity.check import CheckPlan, run_check
@@ -86,7 +101,7 @@ def evaluate(entry: dict, device: str) -> dict:
         check=result.verdict,
         said=f"{result.category} / {result.first} / {result.operand} / {'; '.join(result.trigger) or '-'}",
         gemm_ok=result.first == entry["gemm"], class_ok=result.category == entry["category"],
-        operand_ok=result.operand == entry["operand"],
+        operand_ok=result.operand == expected_operand(entry),
         triggers_ok=all(trigger_found(t, result.trigger) for t in entry["trigger"]),
         method=result.method, seconds=round(time.perf_counter() - start, 1),
         # the result-stage mistake that named the class, where the GEMM's bits were computed again: how many of
