@@ -16,6 +16,7 @@ implementation does with a GEMM's result, and GEMMs without a call, are parity.d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Sequence
 
@@ -221,9 +222,17 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
                                   f"ratio {got / want if want else float('nan'):.6g}); no single mistake reproduces it")
     count, index, got, want = _first_difference(torch.where(want_scales.isnan(), correct.values.cpu(), values),
                                                 correct.values.cpu())
-    return OperandExplanation("bytes", "", f"its scales are the recipe's but its fp8 values differ in {count} of "
-                              f"{values.numel()} elements (first at {list(index)}: {got:g}, oracle {want:g}); no "
-                              f"single mistake reproduces them")
+    said = (f"its scales are the recipe's but its fp8 values differ in {count} of {values.numel()} elements (first "
+            f"at {list(index)}: {got:g}, oracle {want:g})")
+    if microscaled and scales is not None:  # the MX sets' convention: what of a block's bytes is wrong names it
+        if _same(*(torch.sort(torch.nan_to_num(t, nan=math.inf).reshape(-1)).values
+                   for t in (values, correct.values.cpu()))):
+            return OperandExplanation("bytes", BugClass.LAYOUT.value, f"{said}: the oracle's elements, every one, "
+                                      f"at other places (no single mistake reproduces the order)")
+        return OperandExplanation("bytes", BugClass.SCALE.value, f"{said}: its elements are encoded otherwise than "
+                                  f"the contract's rounding of the values by their right scales (no single mistake "
+                                  f"reproduces them)")
+    return OperandExplanation("bytes", "", f"{said}; no single mistake reproduces them")
 
 
 def _partners_scales(scales: torch.Tensor, grid_shape: tuple[int, int], sources: OperandSources, gemm: str,

@@ -46,14 +46,16 @@ def test_bisect_localizes_every_public_mx_bug(mutant):
 
 @pytest.mark.parametrize("mutant", [m for m in MX_MUTANTS if m.name in ("mx_floor_saturation_wraps",
                                                                         "mx_input_blocks_of_64",
-                                                                        "mx_grad_input_scales_swapped")],
+                                                                        "mx_grad_input_scales_swapped",
+                                                                        "mx_input_round_half_away")],
                          ids=lambda m: m.name)
 def test_bisect_names_what_no_single_mistake_reproduces(mutant):
     """Two mistakes no hypothesis reproduces, localized from what the operands show (training figures: held-out
     set 16's s16_b21 and s16_b06 were 'unknown' and 'crash'): elements that differ only where the oracle
     saturates are a saturation mistake; a cast that raises on the minimal case and computes wrong numbers at
     M = K = N = 128 is diagnosed there (its crash a note beside it); A's and B's scales swapped are a scale
-    mistake (set 16's s16_b17 read as misplaced scales of B, layout)."""
+    mistake (set 16's s16_b17 read as misplaced scales of B, layout); elements encoded otherwise than the
+    contract's rounding, their scales right, are scale (the MX sets' convention)."""
     result = localize(plan_for(mutant.spec, mutant.recipe), max_examples=20)
     summary = f"{mutant.name}: {result.category} {result.gemm} {result.operand}; {result.evidence}"
     assert (result.category, result.first, result.operand) == (mutant.category, mutant.gemms[0], mutant.operand), \

@@ -75,6 +75,9 @@ MX_MUTANTS = [
     MxMutant("mx_grad_input_scales_swapped", "mxfp8", "scale", ("grad_input",), "grad_output", "invented",
              "the grad_input GEMM handed B's scales as A's and A's as B's (their padded sizes agree while both "
              "operands fit one 128x4 tile)"),
+    MxMutant("mx_input_round_half_away", "mxfp8", "scale", ("output",), "input", "invented",
+             "a software e4m3 encoder of the input's dim0 cast that rounds ties away from zero (the contract: to "
+             "even); its scales are right"),
     MxMutant("mx_input_blocks_of_64", "mxfp8", "scale", ("output",), "input", "invented",
              "the input's dim0 cast in blocks of 64: its scale tensor has the size of 32-blocks' only where the "
              "padding to 4 scale columns hides it (K = 64, 128), and the call raises elsewhere"),
@@ -108,6 +111,10 @@ def _mxfp8(x: torch.Tensor, rule: str, bug: str | None = None) -> tuple[torch.Te
     saturated = scaled.clamp(-448.0, 448.0)
     if bug == "wraps":  # past 464 (448 and half a step) the exponent overflows into the sign bit
         saturated = torch.where(scaled.abs() > 464.0, -saturated, saturated)
+    if bug == "half_away":  # ties away from zero: the step of e4m3 at each magnitude (3 mantissa bits, 2^-9 below)
+        _, exponent = torch.frexp(saturated)
+        step = torch.exp2((torch.clamp(exponent - 1, min=-6) - 3).float())
+        saturated = torch.copysign(torch.floor(saturated.abs() / step + 0.5) * step, saturated).clamp(-448.0, 448.0)
     elements = saturated.to(E4M3).reshape(rows, inner).contiguous()  # row-major, as A or B.T
     biased = torch.where(e.isnan(), torch.full_like(e, 255.0), e + 127).to(torch.uint8)
     return elements, biased.view(E8M0)
@@ -231,7 +238,7 @@ class _Mx(torch.autograd.Function):
             return _mxfp8_call(a[: input.shape[0]], sa[pad:], bt, sb, input.dtype)
         dim0 = "nan_skipped" if bug == "mx_dim0_nan_skipped" else None
         weight_bug = "wraps" if bug == "mx_floor_saturation_wraps" else dim0
-        input_bug = "blocks_of_64" if bug == "mx_input_blocks_of_64" else dim0
+        input_bug = {"mx_input_blocks_of_64": "blocks_of_64", "mx_input_round_half_away": "half_away"}.get(bug, dim0)
         return _mxfp8_gemm(input, weight, input.dtype, (rule, rule), (input_bug, weight_bug))
 
     @staticmethod
