@@ -14,11 +14,11 @@ import re
 from pathlib import Path
 
 HELDOUT = Path(__file__).resolve().parents[1] / "heldout"
-SET_COUNT = 18
+SET_COUNT = 19
 SETS = [f"set{number:02d}" for number in range(1, SET_COUNT + 1)]
-# Sets 1-15 were written as property_tests/heldout*/; sets 16 (MXFP8), 17 (NVFP4) and 18 (both) were written in
+# Sets 1-15 were written as property_tests/heldout*/; sets 16 (MXFP8), 17 (NVFP4), 18 and 19 (both) were written in
 # place, as evals/heldout/setNN/, and their manifests name their files so.
-WRITTEN_IN_PLACE = ("set16", "set17", "set18")
+WRITTEN_IN_PLACE = ("set16", "set17", "set18", "set19")
 OLD_FOLDER = {name: "heldout" if number == 1 else f"heldout{number}" for number, name in enumerate(SETS, start=1)
               if name not in WRITTEN_IN_PLACE}
 _OLD_TO_NEW = {old: new for new, old in OLD_FOLDER.items()}
