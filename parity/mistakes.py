@@ -277,6 +277,15 @@ def _grid_reshaped(q: Quantized) -> Quantized:
     return _with_grid(q, g.reshape(cols, rows).t())
 
 
+def _grid_transposed_reshaped(q: Quantized) -> Quantized:
+    """The grid transposed, then reshaped to its own shape (a .t().reshape(shape) where nothing belongs)."""
+    g = _grid_of(q)
+    rows, cols = g.shape
+    if rows == cols or 1 in (rows, cols):
+        raise NotApplicable
+    return _with_grid(q, g.t().reshape(rows, cols))
+
+
 def _grid_first(q: Quantized) -> Quantized:
     g = _grid_of(q)
     return _with_grid(q, g[:1, :1].expand(*g.shape))
@@ -475,6 +484,8 @@ def _grids(op: _Operand) -> dict[str, list[Hypothesis]]:
                       description in (
         (BugClass.TRANSPOSE, _grid_transposed, "its grid of scales transposed"),
         (BugClass.TRANSPOSE, _grid_reshaped, "its grid of scales reinterpreted with reshape instead of transposed"),
+        (BugClass.TRANSPOSE, _grid_transposed_reshaped, "its grid of scales transposed and reshaped back to its own "
+                                                        "shape"),
         (BugClass.SCALE, _grid_first, "the GEMM handed the first group's inverse scale for every group (the values "
                                       "quantized with their own)"),
         (BugClass.SCALE, _grid_padding_first, "its scales read from a grid padded to 4 along the inner dim with the "

@@ -238,6 +238,7 @@ def test_calls_exactly_another_mx_recipes_are_told_so_where_only_the_scale_rule_
     "its raw values clamped to +-448 before the cast",
     "its raw values clamped to +-448 before they are scaled",
     "its grid of scales reinterpreted with view as the other axis's grid shape",
+    "its grid of scales transposed and reshaped back to its own shape",  # set 19's s19_b11, after its first run
 ])
 def test_the_mx_saturation_and_grid_view_mistakes_apply_and_change_the_operand(described):
     """Held-out set 16's clamp at 240 (s16_b19), clamp of the raw values (s16_b20) and a dim1 grid viewed in the
