@@ -1,6 +1,6 @@
 """The frozen held-out sets under evals/heldout/: their names, folders and implementation paths.
 
-A set is named setNN (set01 .. set15). Each was written and frozen as property_tests/heldoutN/
+A set is named setNN (set01 .. set19). Each was written and frozen as property_tests/heldoutN/
 (property_tests/heldout for the first), and its frozen manifest still names its implementations
 by that path (`property_tests/heldout15/h15_b01.py:fp8_linear`); the sets may not be edited, so
 the scorers map those paths here instead. The old folder names are accepted wherever a set is
