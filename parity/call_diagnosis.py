@@ -160,9 +160,11 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, tuple
 
 
 def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cast, recipe: Recipe,
-                    sources: OperandSources, gemm: str, role: str, partner: Cast | None = None) -> OperandExplanation | None:
+                    sources: OperandSources, gemm: str, role: str,
+                    partner: Cast | None = None) -> OperandExplanation | None:
     """(stage, category, message, hypothesis) for an operand a GEMM got (fp8 values and per-element inverse
-    scales, laid out [rows, inner]) that is not the recipe's, or None when it is."""
+    scales, laid out [rows, inner]) that is not the recipe's, or None when it is. `partner`: the cast of the
+    GEMM's other operand (its scales handed over for these are a finding of their own)."""
     rows, inner = values.shape
     correct = quantize_mistaken(sources.view(gemm, role, "same"), cast, recipe)
     want_scales = _expanded(correct.inv_scale.cpu(), rows, inner)
@@ -201,13 +203,13 @@ def explain_operand(values: torch.Tensor, scales: torch.Tensor | None, cast: Cas
                                   f"{values_only.description}, while the GEMM is handed the recipe's scales",
                                   values_only)
     microscaled = cast.scaling in (Scaling.MX_1X32, Scaling.NV_1X16)
-    if not scales_ok and values_ok and microscaled and partner is not None and \
-            _partners_scales(scales, tuple(correct.inv_scale.shape), sources, gemm, role, partner, recipe):
-        other = "B" if role == "a" else "A"
-        return OperandExplanation("scale", BugClass.SCALE.value, f"its elements are the oracle's and its scales are "
-                                  f"the oracle's scales of the GEMM's other operand ({other}): the scales of A and "
-                                  f"B handed over swapped")
-    if not scales_ok and values_ok and microscaled:
+    if not scales_ok and values_ok and microscaled:  # the right elements: so the cast's scales were right too
+        if partner is not None and _partners_scales(scales, tuple(correct.inv_scale.shape), sources, gemm, role,
+                                                    partner, recipe):
+            other = "B" if role == "a" else "A"
+            return OperandExplanation("scale", BugClass.SCALE.value, f"its elements are the oracle's and its scales "
+                                      f"are the oracle's scales of the GEMM's other operand ({other}): the scales of "
+                                      f"A and B handed over swapped")
         misplaced = _misplaced_scales(scales, correct.inv_scale.cpu())
         if misplaced:
             return OperandExplanation("scale", BugClass.LAYOUT.value, misplaced)
@@ -244,22 +246,11 @@ def _partners_scales(scales: torch.Tensor, grid_shape: tuple[int, int], sources:
     if other is None or other.inv_scale.dim() != 2:
         return False
     other_grid = other.inv_scale.cpu().to(torch.float64)
-    padded_other, padded_own = mx.padded_scale_shape(*other_grid.shape), mx.padded_scale_shape(*grid_shape)
-    if padded_other[0] * padded_other[1] != padded_own[0] * padded_own[1]:
+    if math.prod(mx.padded_scale_shape(*other_grid.shape)) != math.prod(mx.padded_scale_shape(*grid_shape)):
         return False
-    padding = _PADDING_SCALES[1] if partner.dtype == torch.float4_e2m1fn_x2 else _PADDING_SCALES[0]
-    padded = torch.full(padded_other, padding, dtype=torch.float64)
-    padded[: other_grid.shape[0], : other_grid.shape[1]] = other_grid
-    flat = torch.empty(padded.numel(), dtype=torch.float64)
-    flat[mx.swizzle_positions(*padded_other).reshape(-1)] = padded.reshape(-1)
-    read_as_own = mx.unswizzled(flat, *grid_shape)
+    read_as_own = mx.unswizzled(mx.swizzled(other_grid, mx.PADDING_DECODED.get(partner.dtype, 0.0)), *grid_shape)
     rows, inner = scales.shape
     return _same(scales, _expanded(read_as_own, rows, grid_shape[1] * (inner // grid_shape[1]))[:, :inner])
-
-
-# what a block-scale byte of 0 (the swizzled layout's padding, or a scale never written) decodes to: E8M0's
-# 2^-127, and NVFP4's E4M3 zero
-_PADDING_SCALES = (2.0 ** -127, 0.0)
 
 
 def _misplaced_scales(scales: torch.Tensor, want_grid: torch.Tensor) -> str:
@@ -272,7 +263,7 @@ def _misplaced_scales(scales: torch.Tensor, want_grid: torch.Tensor) -> str:
     block = scales.shape[1] // blocks
     got_grid = scales[:, ::block][:, :blocks].to(torch.float64)
     want = want_grid.to(torch.float64)
-    padding_values = torch.tensor(_PADDING_SCALES, dtype=torch.float64)
+    padding_values = torch.tensor(list(mx.PADDING_DECODED.values()), dtype=torch.float64)
     read = got_grid.reshape(-1)
     if bool(read.isnan().any()):
         return ""
@@ -285,7 +276,7 @@ def _misplaced_scales(scales: torch.Tensor, want_grid: torch.Tensor) -> str:
         return ""
     wrong = got_grid != want
     count = int(wrong.sum())
-    padding = int((wrong & torch.isin(got_grid, torch.tensor(_PADDING_SCALES, dtype=torch.float64))).sum())
+    padding = int((wrong & torch.isin(got_grid, padding_values)).sum())
     r, b = (int(i) for i in wrong.nonzero()[0])
     return (f"its elements are the oracle's, yet {count} of {rows * blocks} block scales the GEMM reads are at "
             f"the wrong place (first block [{r}, {b}]: {float(got_grid[r, b]):.6g}, oracle {float(want[r, b]):.6g}); "

@@ -30,8 +30,8 @@ from pathlib import Path
 # property_tests/test_cli_latency.py keeps it so.
 from parity.commands import RUNS_YOUR_CODE, command
 from parity.exits import (EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERNAL, EXIT_PASS, EXIT_SIGNAL,
-                          EXIT_USAGE, TRACEBACK_ENV, CannotRun, UsageError, clear_stops, interrupted_by, one_line,
-                          quiet_lost_connections, quiet_lost_stops, stop_on_signal, stopped_by, traceback_requested)
+                          EXIT_USAGE, TRACEBACK_ENV, CannotRun, UsageError, clear_stops, install_quiet_lost_connections,
+                          interrupted_by, one_line, quiet_lost_stops, stop_on_signal, stopped_by, traceback_requested)
 from parity.model_configs import MODELS
 from parity.names import (BENCH_DEFAULT_IMPLS, BENCH_PRESET_DESCRIPTIONS, BENCH_PRESET_SHAPES, BISECT_SEARCH,
                           BUILTIN_HELP, BUILTIN_NAMES, CHECK_SEARCH, CPU_GEMM_MODES, DEFAULT_BASELINE,
@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     clear_stops()
     previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous_hook, sys.unraisablehook = sys.unraisablehook, quiet_lost_stops(sys.unraisablehook)
-    previous_thread_hook, threading.excepthook = threading.excepthook, quiet_lost_connections(threading.excepthook)
+    previous_thread_hook = threading.excepthook
+    install_quiet_lost_connections()
     _warm_up_workers(args)
     # Bound before the try: a Ctrl-C or a failing import while _user_errors loads torch still ends in
     # one line (interrupted; an internal error), as inside a command.

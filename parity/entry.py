@@ -16,10 +16,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 
 from parity.commands import RUNS_YOUR_CODE
-from parity.exits import EXIT_SIGNAL, quiet_lost_connections
+from parity.exits import EXIT_SIGNAL, install_quiet_lost_connections
 from parity.names import BUILTIN_PACKAGES  # built-ins named PACKAGE:RECIPE (parity.impls.BUILTINS)
 
 
@@ -78,12 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     if code in EXIT_SIGNAL.values():
         _exit_now(code)
     return code
-
-
-def install_quiet_lost_connections() -> None:
-    """threading.excepthook for this process: silent about the resource sharer's lost connections (parity.exits)."""
-    if not getattr(threading.excepthook, "quiet_lost_connections", False):
-        threading.excepthook = quiet_lost_connections(threading.excepthook)
 
 
 def _exit_now(code: int) -> None:

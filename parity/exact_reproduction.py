@@ -21,9 +21,10 @@ The GEMM's bits are known exactly (gemm_bits) where the kernel that computed its
 
 and nowhere else: under torch's own CPU kernel (FP8_PARITY_CPU_SCALED_MM=torch its sums follow the
 operands' strides, which the oracle does not have), for block-scaled GEMMs on a CPU (no _scaled_mm
-computes them there), for the microscaled GEMMs of MXFP8 and NVFP4 anywhere (no model of SM100's), on a GPU the table does not vouch for, for a call that adds a bias (the fp32
-epilogue's rounding is not modelled) and for GEMMs that made no call (their bits are the
-implementation's own arithmetic: parity.diagnose ranks those hypotheses by closeness, as before).
+computes them there), for the microscaled GEMMs of MXFP8 and NVFP4 anywhere (no model of SM100's),
+on a GPU the table does not vouch for, for a call that adds a bias (the fp32 epilogue's rounding is
+not modelled) and for GEMMs that made no call (their bits are the implementation's own arithmetic:
+parity.diagnose ranks those hypotheses by closeness, as before).
 """
 
 from __future__ import annotations

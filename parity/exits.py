@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import traceback
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL, EXIT_INCOMPLETE, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4, 125
@@ -130,3 +131,9 @@ def quiet_lost_connections(previous_hook):
             previous_hook(args)
     hook.quiet_lost_connections = True
     return hook
+
+
+def install_quiet_lost_connections() -> None:
+    """threading.excepthook silent about the resource sharer's lost connections (quiet_lost_connections), once."""
+    if not getattr(threading.excepthook, "quiet_lost_connections", False):
+        threading.excepthook = quiet_lost_connections(threading.excepthook)

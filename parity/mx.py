@@ -143,11 +143,17 @@ def mxfp8_scale(amax: torch.Tensor, fp8_max: float = E4M3_MAX, *, rule: ScaleRul
 
 # ---- NVFP4 --------------------------------------------------------------------------------------------
 
+def grid_quantum(x: torch.Tensor, mantissa_bits: int, min_exponent: int) -> torch.Tensor:
+    """The spacing (float64) of a binary float format's values around each of `x`'s: 2^(binade - mantissa bits),
+    the subnormals sharing the lowest binade's (e4m3: 3 bits, binades from -6; e2m1: 1 bit, from 0)."""
+    _, exponent = torch.frexp(x)  # x = m * 2**exponent with 0.5 <= |m| < 1
+    return torch.exp2((torch.clamp(exponent - 1, min=min_exponent) - mantissa_bits).to(torch.float64))
+
+
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     """float64 values rounded to nearest even onto e4m3 (float8_e4m3fn), saturating at 448 (NaN stays)."""
     clamped = x.clamp(-E4M3_MAX, E4M3_MAX)
-    _, exponent = torch.frexp(clamped)
-    quantum = torch.exp2((torch.clamp(exponent - 1, min=-6) - 3).to(torch.float64))
+    quantum = grid_quantum(clamped, 3, -6)
     return torch.round(clamped / quantum) * quantum
 
 
@@ -159,10 +165,15 @@ def nvfp4_global_scale(amax_tensor: torch.Tensor, *, divisor: float = NVFP4_GLOB
     return torch.where(amax32 == 0, torch.ones_like(global_), global_)
 
 
+def nvfp4_block_quotient(amax_block: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
+    """amax_block / 6 / global, the two quotients in float32: a block scale before its e4m3 rounding."""
+    per_block = amax_block.to(torch.float32) / torch.tensor(E2M1_MAX, dtype=torch.float32)
+    return per_block / global_.to(torch.float32)
+
+
 def nvfp4_block_scales(amax_block: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
     """s = e4m3(amax_block / 6 / global), the two quotients in float32, as float64 e4m3 values."""
-    per_block = amax_block.to(torch.float32) / torch.tensor(E2M1_MAX, dtype=torch.float32)
-    return round_e4m3((per_block / global_.to(torch.float32)).to(torch.float64))
+    return round_e4m3(nvfp4_block_quotient(amax_block, global_).to(torch.float64))
 
 
 def nvfp4_scale(amax: torch.Tensor, fp8_max: float = E2M1_MAX, **rounding) -> torch.Tensor:
@@ -241,16 +252,22 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.dtype != torch.uint8 else tensor
 
 
-def swizzled(scales: torch.Tensor) -> torch.Tensor:
-    """Scales S [rows, columns] in cuBLAS's swizzled layout: zero-padded to whole 128x4 tiles, flat
-    (1-D, round_up(rows, 128) * round_up(columns, 4) entries), S's dtype."""
+def swizzled(scales: torch.Tensor, padding: float = 0) -> torch.Tensor:
+    """Scales S [rows, columns] in cuBLAS's swizzled layout: padded to whole 128x4 tiles with `padding` (byte 0
+    for stored scales; for decoded ones, what byte 0 decodes to: PADDING_DECODED), flat (1-D,
+    round_up(rows, 128) * round_up(columns, 4) entries), S's dtype."""
     rows, columns = padded_scale_shape(*scales.shape)
     raw = _as_bytes(scales.contiguous())
-    padded = raw.new_zeros((rows, columns))
+    padded = torch.full((rows, columns), padding, dtype=raw.dtype, device=raw.device)
     padded[: scales.shape[0], : scales.shape[1]] = raw
     flat = padded.new_zeros(rows * columns)
     flat[swizzle_positions(rows, columns).reshape(-1)] = padded.reshape(-1)
     return flat.view(scales.dtype)
+
+
+# What a scale byte of 0 (the swizzled layout's padding, or a scale never written) decodes to, by the element
+# format: E8M0's 2^-127 for MXFP8's e4m3 elements, NVFP4's E4M3 zero for its e2m1 ones
+PADDING_DECODED = {torch.float8_e4m3fn: 2.0 ** -127, torch.float4_e2m1fn_x2: 0.0}
 
 
 def unswizzled(flat: torch.Tensor, rows: int, columns: int) -> torch.Tensor:

@@ -72,7 +72,7 @@ def _smallest_scale_as(multiplier: float, groups: torch.Tensor, scale: torch.Ten
 
 def _padding_value(q: Quantized) -> float:
     """What a scale byte of 0 (the contract's padding) decodes to: 2^-127 in E8M0, 0 in E4M3 (NVFP4's scales)."""
-    return 0.0 if q.fp8_dtype == torch.float4_e2m1fn_x2 else 2.0 ** -127
+    return mx.PADDING_DECODED.get(q.fp8_dtype, mx.PADDING_DECODED[torch.float8_e4m3fn])
 
 
 def _grid(q: Quantized) -> tuple[torch.Tensor, int, int]:
@@ -113,15 +113,10 @@ def _grid_viewed_as_the_others(q: Quantized) -> Quantized:
     inner = blocks * block
     if rows % block or inner == rows:
         raise NotApplicable
-    padded_rows, padded_blocks = mx.padded_scale_shape(inner, rows // block)
-    if padded_rows * padded_blocks != math.prod(mx.padded_scale_shape(rows, blocks)):
+    if math.prod(mx.padded_scale_shape(inner, rows // block)) != math.prod(mx.padded_scale_shape(rows, blocks)):
         raise NotApplicable  # another number of scales: the kernel refuses the call (a crash, not this)
-    padded = torch.full((padded_rows, padded_blocks), _padding_value(q), dtype=grid.dtype)
-    padded[:inner, : rows // block] = grid.cpu().reshape(inner, rows // block)
-    flat = torch.empty(padded.numel(), dtype=grid.dtype)
-    flat[mx.swizzle_positions(padded_rows, padded_blocks).reshape(-1)] = padded.reshape(-1)
-    misread = mx.unswizzled(flat, rows, blocks)
-    return Quantized(q.values, misread.to(grid.device), q.tile, q.fp8_dtype)
+    flat = mx.swizzled(grid.cpu().reshape(inner, rows // block), _padding_value(q))
+    return Quantized(q.values, mx.unswizzled(flat, rows, blocks).to(grid.device), q.tile, q.fp8_dtype)
 
 
 def _subtiles_transposed(q: Quantized) -> Quantized:
@@ -151,11 +146,7 @@ def _truncated(scaled: torch.Tensor, fmt) -> torch.Tensor:
     """The scaled values rounded toward zero onto the element grid (a floor of the magnitude where the contract
     rounds to nearest even), saturating at the format's max."""
     magnitude = scaled.to(torch.float64).abs().clamp(max=fmt.max)
-    if fmt.dtype == torch.float4_e2m1fn_x2:  # steps of 0.5 below 2, 1 below 4, 2 up to 6
-        step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0)).to(torch.float64)
-    else:  # e4m3: 3 mantissa bits, subnormals below 2^-6
-        _, exponent = torch.frexp(magnitude)
-        step = torch.exp2((torch.clamp(exponent - 1, min=-6) - 3).to(torch.float64))
+    step = mx.grid_quantum(magnitude, fmt.mantissa_bits, fmt.min_exponent)
     truncated = torch.copysign(torch.floor(magnitude / step) * step, scaled.to(torch.float64))
     if torch.equal(truncated, oracles.saturated(scaled, fmt)):
         raise NotApplicable
@@ -175,8 +166,8 @@ def _nvfp4_divided_by_unrounded(groups: torch.Tensor, decode: torch.Tensor) -> t
     """The elements divided by the block's decode scale before its e4m3 rounding (amax / 6, in float32), while
     the GEMM is handed the rounded one."""
     global_ = mx.nvfp4_global_scale(groups.abs().amax())
-    per_block = groups.to(torch.float32).abs().amax(dim=(1, 3)) / torch.tensor(mx.E2M1_MAX, dtype=torch.float32)
-    unrounded = (per_block / global_).clamp(max=mx.E4M3_MAX) * global_
+    amax_block = groups.to(torch.float32).abs().amax(dim=(1, 3))
+    unrounded = mx.nvfp4_block_quotient(amax_block, global_).clamp(max=mx.E4M3_MAX) * global_
     if torch.equal(unrounded.to(torch.float64), decode.to(torch.float64)):
         raise NotApplicable
     return mx.divided_by_decode_scale(groups, unrounded)
@@ -185,7 +176,7 @@ def _nvfp4_divided_by_unrounded(groups: torch.Tensor, decode: torch.Tensor) -> t
 def _nvfp4_scale_bound(bound: float, amax: torch.Tensor, fp8_max: float, **rounding) -> torch.Tensor:
     """Block scales saturated at `bound` (e4m3fnuz's 240, say) where the contract saturates them at 448."""
     global_ = mx.nvfp4_global_scale(amax.max())
-    per_block = amax.to(torch.float32) / torch.tensor(mx.E2M1_MAX, dtype=torch.float32) / global_
+    per_block = mx.nvfp4_block_quotient(amax, global_)
     if not bool((per_block > bound).any()):
         raise NotApplicable
     return mx.round_e4m3(per_block.clamp(max=bound).to(torch.float64)) * global_.to(torch.float64)

@@ -41,9 +41,7 @@ FORMATS = {fmt.dtype: fmt for fmt in FP8_FORMATS.values()}  # parity.recipes' ta
 def round_to_fp8_grid(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Round float64 `x` (already within +-max) to the nearest fp8 value, ties to even."""
     fmt = FORMATS[fp8_dtype]
-    _, exponent = torch.frexp(x)  # x = m * 2**exponent with 0.5 <= |m| < 1
-    binade = torch.clamp(exponent - 1, min=fmt.min_exponent)  # subnormals share the lowest quantum
-    quantum = torch.exp2((binade - fmt.mantissa_bits).to(torch.float64))
+    quantum = mx.grid_quantum(x, fmt.mantissa_bits, fmt.min_exponent)
     return torch.round(x / quantum) * quantum  # torch.round: half to even; * and / by 2^n are exact
 
 

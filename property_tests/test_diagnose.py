@@ -718,7 +718,8 @@ def test_a_mistake_that_reproduces_every_bit_wins_over_one_that_only_comes_near(
     assert entry["exact"]["bit_for_bit"] and entry["category"] == "accumulation"
 
 
-def test_where_no_mistake_reproduces_every_bit_the_one_named_by_closeness_says_how_many_it_does(user_file, code_under_test_in_a_worker):
+def test_where_no_mistake_reproduces_every_bit_the_one_named_by_closeness_says_how_many_it_does(
+        user_file, code_under_test_in_a_worker):
     """The output multiplied by 1.05: the rescaling the space estimates (a least-squares ratio, not 1.05 itself)
     comes within MATCH_DB of the result and is named, as before; through the kernel it reproduces only some of
     the elements bit for bit, and the reading says how many, never that it is exact."""

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.scoring.scores", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--sets", nargs="+", default=EVERYTHING, metavar="NAME",
-                        help="zoo and/or sets (set01 .. set19, or heldout .. heldout15 for the first 15); default: all of them")
+                        help="zoo and/or sets (set01 .. set19, or heldout .. heldout15 for the first 15); "
+                             "default: all of them")
     parser.add_argument("--render-only", action="store_true", help="only re-render docs/scores.md")
     args = parser.parse_args(argv)
     names = names_of(args.sets, parser)
