@@ -32,6 +32,7 @@ one process on the full batch, even before the all-reduce sums in another order.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -335,6 +336,46 @@ class _Failure(NamedTuple):
     text: str
 
 
+# A rank that dies takes the store or the collective its peers are in with it: they report a network
+# error (DistNetworkError: connection reset) often before this process has seen the death. How long
+# to wait, after the first report, for a peer's silent end (seen as soon as it is reaped: the death
+# came first); a peer stuck in a collective is not waited out.
+PEER_DEATH_GRACE_S = 3.0
+
+
+def _silent_end(processes, rank: int, progress) -> _Failure:
+    """The failure of a rank that ended without a message ("done" or "error"). DistributedRunError if it
+    ended before its first run (process group setup, or a failed start)."""
+    code = processes[rank].exitcode
+    what = (f"was killed by signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+            else f"exited the process with code {code}")
+    if progress[rank] >= 0:
+        return _Failure(rank, progress[rank], f"{what} without reporting (an exit at import or in an "
+                                              f"exit hook, a crash in native code, or killed)")
+    raise DistributedRunError(f"rank {rank} {what} without reporting (killed, out of memory, crashed in "
+                              f"native code, or failed to start: see its stderr)")
+
+
+def _silently_ended(processes, heard: set[int]) -> list[int]:
+    """Ranks that ended (any exit code, 0 included) without a message: ended by the code they ran."""
+    return [rank for rank, process in enumerate(processes) if process.exitcode is not None and rank not in heard]
+
+
+def _cause(first: _Failure, processes, messages, heard: set[int], progress) -> _Failure:
+    """The failure to blame: a peer that ended silently within PEER_DEATH_GRACE_S of `first` (a rank's
+    report is then what that death did to it), else `first`."""
+    heard = heard | {first.rank}
+    deadline = time.monotonic() + PEER_DEATH_GRACE_S
+    while len(heard) < len(processes) and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            while True:  # a rank's message is in the queue before it exits: read them before judging exits
+                heard.add(messages.get(timeout=0.1)[1])
+        silent = _silently_ended(processes, heard)
+        if silent:
+            return _silent_end(processes, silent[0], progress)
+    return first
+
+
 def _await_workers(processes, messages, world_size: int, deadline: float, progress,
                    timeout_s: float) -> _Failure | None:
     """Read messages until every rank is done (None) or one fails (its failure: an exception it
@@ -354,23 +395,14 @@ def _await_workers(processes, messages, world_size: int, deadline: float, progre
         try:
             message = messages.get(timeout=min(remaining, 0.5))
         except queue.Empty:
-            # any exit code, 0 included: a rank that ends before "done" was ended by the code it ran
-            silent = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode is not None
-                      and rank not in done]
+            silent = _silently_ended(processes, done)
             if silent and messages.empty():
-                rank, code = silent[0]
-                what = (f"was killed by signal {signal.Signals(-code).name}" if code < 0 and -code in
-                        signal.valid_signals() else f"exited the process with code {code}")
-                if progress[rank] >= 0:
-                    return _Failure(rank, progress[rank], f"{what} without reporting (an exit at import or in an "
-                                                          f"exit hook, a crash in native code, or killed)")
-                raise DistributedRunError(f"rank {rank} {what} without reporting (killed, out of memory, crashed in "
-                                          f"native code, or failed to start: see its stderr)") from None
+                return _silent_end(processes, silent[0], progress)
             continue
         if message[0] == "done":
             done.add(message[1])
         else:
-            return _Failure(*message[1:])
+            return _cause(_Failure(*message[1:]), processes, messages, done, progress)
     return None
 
 

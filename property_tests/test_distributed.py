@@ -284,6 +284,32 @@ def test_a_rank_that_exits_0_while_loading_your_code_is_an_error_of_that_run(tmp
     assert results["ddp", TORCHAO].error.startswith("no result: rank "), results
 
 
+class _Ended:
+    """A rank's process as the parent sees it: its exit code, None while it runs."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+
+def test_a_peers_network_error_reported_first_blames_the_rank_that_ended_silently():
+    """The race CI met: rank 0 ends at import (it holds the store), rank 1 reports `connection reset`
+    before the parent has reaped rank 0. The silent end is the cause; rank 1's error is what it did."""
+    import queue as queue_module
+
+    from parity.distributed import _cause, _Failure
+    reset = _Failure(1, 0, "DistNetworkError: Connection reset by peer (at distributed_c10d.py:2169)")
+    progress = [0, 0]
+    failure = _cause(reset, [_Ended(0), _Ended(0)], queue_module.Queue(), set(), progress)
+    assert failure.rank == 0 and "exited the process with code 0 without reporting" in failure.text, failure
+    # a peer that reported its own error, or still runs when the grace ends, leaves the first report standing
+    messages = queue_module.Queue()
+    messages.put(("error", 0, 0, "RuntimeError: its own"))
+    assert _cause(reset, [_Ended(0), _Ended(0)], messages, set(), progress) == reset
+    start = time.monotonic()
+    assert _cause(reset, [_Ended(None), _Ended(0)], queue_module.Queue(), set(), progress) == reset
+    assert time.monotonic() - start < 10
+
+
 def _check_in_a_process(argv: list[str]) -> tuple[int, str, int]:
     """`fp8-parity check ARGV` as a process of its own (what these do would end pytest's with exit 0):
     its exit code, output and process id."""
