@@ -18,7 +18,6 @@ import difflib
 import math
 import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 
@@ -415,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     clear_stops()
     previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous_hook, sys.unraisablehook = sys.unraisablehook, quiet_lost_stops(sys.unraisablehook)
-    previous_thread_hook = threading.excepthook
+    previous_except_hook = sys.excepthook
     install_quiet_lost_connections()
     _warm_up_workers(args)
     # Bound before the try: a Ctrl-C or a failing import while _user_errors loads torch still ends in
@@ -458,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sys.unraisablehook = previous_hook
-        threading.excepthook = previous_thread_hook
+        sys.excepthook = previous_except_hook
         clear_stops()  # its exit code said it; a later run in this process (a test's) starts unstopped
 
 

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # For the life of the process, not only of parity.cli.main (which restores the hook it found): the resource
     # sharer's thread may lose its worker after the command returned, between cli.main's `finally` and this
-    # process's end (an EOFError traceback after a Ctrl-C of train, CI 2026-12-07).
+    # process's end (an EOFError or ConnectionResetError traceback after a Ctrl-C of train, CI 2026-12-07, 12-08).
     install_quiet_lost_connections()
     device = worker_device(argv)
     if device is not None:

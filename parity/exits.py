@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
+import sys
 import traceback
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL, EXIT_INCOMPLETE, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4, 125
@@ -119,21 +119,28 @@ def handled_stop(err: KeyboardInterrupt) -> signal.Signals:
     return interrupted_by(err)
 
 
+def _lost_in_resource_sharer(exc_type, exc_traceback) -> bool:
+    """A lost connection (reset, broken pipe, end of file) raised in multiprocessing's resource sharer."""
+    frames = traceback.extract_tb(exc_traceback) if exc_traceback is not None else []
+    shared = any(frame.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for frame in frames)
+    return shared and issubclass(exc_type, (ConnectionError, EOFError))
+
+
 def quiet_lost_connections(previous_hook):
-    """A threading.excepthook that says nothing of a connection reset in multiprocessing's resource sharer (the
-    thread that hands a worker the file descriptors of shared tensors): a worker killed by a stop, or dead, while
-    it was being handed one. That worker's end is the stop's or already a finding; its traceback reached the user
-    after a Ctrl-C of train. Everything else goes to `previous_hook`."""
-    def hook(args):
-        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback is not None else []
-        shared = any(frame.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for frame in frames)
-        if not (shared and issubclass(args.exc_type, (ConnectionError, EOFError))):
-            previous_hook(args)
+    """A sys.excepthook that says nothing of a lost connection in multiprocessing's resource sharer (the thread
+    that hands a worker the file descriptors of shared tensors): a worker killed by a stop, or dead, during the
+    handshake. That worker's end is the stop's or already a finding; its traceback reached the user after a
+    Ctrl-C of train (CI, 2026-12-07 and 12-08). The sharer's thread catches every exception itself and hands it
+    to sys.excepthook (multiprocessing/resource_sharer.py, _serve), never to threading.excepthook. Everything
+    else goes to `previous_hook`."""
+    def hook(exc_type, exc_value, exc_traceback):
+        if not _lost_in_resource_sharer(exc_type, exc_traceback):
+            previous_hook(exc_type, exc_value, exc_traceback)
     hook.quiet_lost_connections = True
     return hook
 
 
 def install_quiet_lost_connections() -> None:
-    """threading.excepthook silent about the resource sharer's lost connections (quiet_lost_connections), once."""
-    if not getattr(threading.excepthook, "quiet_lost_connections", False):
-        threading.excepthook = quiet_lost_connections(threading.excepthook)
+    """sys.excepthook silent about the resource sharer's lost connections (quiet_lost_connections), once."""
+    if not getattr(sys.excepthook, "quiet_lost_connections", False):
+        sys.excepthook = quiet_lost_connections(sys.excepthook)
