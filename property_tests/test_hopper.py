@@ -410,7 +410,7 @@ def _calibrated_gpu() -> bool:
 
 
 @pytest.mark.fp8_gpu
-@pytest.mark.skipif(not _calibrated_gpu(), reason="needs an FP8 GPU with a committed calibration table (an H200)")
+@pytest.mark.skipif(not _calibrated_gpu(), reason="needs an FP8 GPU with a committed calibration table (an H200 or an H100 80GB HBM3)")
 @pytest.mark.parametrize("impl", ["fp8_impl", "torchao:rowwise", "fp8_impl:blockwise"])
 def test_on_a_calibrated_gpu_a_gemms_bits_computed_again_are_the_gpus(impl):
     """The claim on a GPU: where the calibration vouches for a GEMM's call, the Hopper model on the oracle's
