@@ -20,7 +20,8 @@ An implementation is anything parity.impls.load_impl loads (a built-in, `module:
 a worker by parity.train_worker.describe_impl: `check --distributed` never imports your code in the
 process that judges); each rank loads it by name. A rank that dies without reporting (an exit at
 import or in an exit hook, with any code, a crash in native code) or runs past the launch's time
-limit is an error of the run it was in (each rank writes the run it is in to shared memory first). Every
+limit is an error of the run it was in (each rank writes the run it is in to shared memory first), and
+the cause where a peer reports the network error that death caused (PEER_DEATH_GRACE_S). Every
 nn.Linear of the MLP is converted as `fp8-parity train` converts a model
 (parity.impls.convert_linears). torchao's FP8 all-gather under FSDP2 is the built-in
 parity.impls.FSDP_FLOAT8_ALL_GATHER.
